@@ -1,0 +1,255 @@
+"""DDTree: best-first draft-tree construction from per-depth draft marginals.
+
+Reference algorithm (liranringel/ddtree ``build_ddtree_tree``, also hsj576/TEV): with per-depth
+top-k lists sorted best first, a heap pops the prefix of highest cumulative score
+``sum_d log q_d(x_d)``, records it as the next node, and pushes its next sibling (same parent,
+next rank) and its first child (next depth, rank 0), until ``budget`` non-root nodes are popped.
+Heap ties are broken by the rank tuple, lexicographically (a prefix before its extensions).
+
+Because a pushed prefix never beats the one just popped, the pop order is the sort of all
+prefixes by ``(score desc, rank tuple asc)`` and the tree is the top-``budget`` prefixes. The
+batched builder below finds that set level by level without a heap: at depth d it appends the
+k children of every kept depth-(d-1) node and keeps the best ``budget`` of kept + new. Lists are
+held in rank-tuple (pre-)order, so a stable sort by score reproduces the heap's tie-break.
+
+Per depth, ties between equal log-probabilities rank the lower token id first. Scores are
+accumulated in float64 from float32 log-probabilities.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from ..tree import DraftTree
+
+__all__ = ["build_ddtree", "build_ddtree_topk", "build_ddtree_reference", "draft_topk"]
+
+
+def _check_budget(budget) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(f"budget must be an int, got {type(budget).__name__}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    return budget
+
+
+def _check_roots(root_tokens, b: int, device) -> None:
+    if not isinstance(root_tokens, torch.Tensor) or root_tokens.dtype != torch.int64:
+        raise ValueError("root_tokens must be an int64 tensor [b]")
+    if tuple(root_tokens.shape) != (b,):
+        raise ValueError(f"root_tokens must have shape [{b}], got {tuple(root_tokens.shape)}")
+    if root_tokens.device != device:
+        raise ValueError("root_tokens must be on the device of the draft tensors")
+
+
+def _canonical_order(lq: torch.Tensor, ids: torch.Tensor):
+    """Sort each depth's list by (log-prob desc, token id asc)."""
+    o = ids.argsort(dim=-1, stable=True)
+    lq, ids = lq.gather(-1, o), ids.gather(-1, o)
+    o = lq.argsort(dim=-1, descending=True, stable=True)
+    return lq.gather(-1, o), ids.gather(-1, o)
+
+
+def _root_only(root_tokens: torch.Tensor) -> DraftTree:
+    b = root_tokens.shape[0]
+    parents = torch.full((b, 1), -1, dtype=torch.int64, device=root_tokens.device)
+    return DraftTree.from_parents(parents, root_tokens.view(b, 1).clone(), validate=False)
+
+
+def build_ddtree_topk(
+    topk_logprobs: torch.Tensor,
+    topk_ids: torch.Tensor,
+    budget: int,
+    root_tokens: torch.Tensor,
+    validate: bool = True,
+) -> DraftTree:
+    """Best-first DDTree from per-depth top-k lists (batched, no Python heap).
+
+    Args:
+        topk_logprobs: float [b, H, k], log q_d of the listed tokens, normalised over the full
+            vocabulary (row j is depth j + 1). Any order; ranked here by (log-prob desc, id asc).
+        topk_ids: int64 [b, H, k], distinct ids within a row.
+        budget: int >= 0, the number of non-root nodes (B).
+        root_tokens: int64 [b], the root (last committed) token of each tree.
+        validate: check arguments (host syncs).
+
+    Returns:
+        :class:`DraftTree` with N = 1 + budget nodes in pop order (parents precede children,
+        scores non-increasing); trees with fewer than ``budget`` reachable prefixes (k^1 + ... +
+        k^H < budget) are padded. Depth <= H.
+
+    Raises:
+        ValueError naming the argument: budget not an int >= 0; wrong shapes, dtypes or devices;
+        NaN or +inf log-probabilities.
+
+    Cost: H rounds over b x budget x (1 + k) candidates (two stable sorts each).
+    """
+    if validate:
+        budget = _check_budget(budget)
+        if not isinstance(topk_logprobs, torch.Tensor) or not topk_logprobs.is_floating_point() or topk_logprobs.dim() != 3:
+            raise ValueError("topk_logprobs must be a floating tensor [b, H, k]")
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int64 or topk_ids.shape != topk_logprobs.shape:
+            raise ValueError(f"topk_ids must be int64 with the shape of topk_logprobs {tuple(topk_logprobs.shape)}")
+        if topk_ids.device != topk_logprobs.device:
+            raise ValueError("topk_ids must be on the device of topk_logprobs")
+        _check_roots(root_tokens, topk_logprobs.shape[0], topk_logprobs.device)
+        if bool((torch.isnan(topk_logprobs) | (topk_logprobs == float("inf"))).any()):
+            raise ValueError("topk_logprobs contains NaN or +inf")
+    b, H, k = topk_logprobs.shape
+    dev = topk_logprobs.device
+    if budget == 0 or H == 0 or k == 0:
+        tree = _root_only(root_tokens)
+        if budget == 0:
+            return tree
+        return _pad_tree(tree, budget)
+    lq, ids = _canonical_order(topk_logprobs.to(torch.float32).to(torch.float64), topk_ids)
+    B = budget
+    neg_inf = float("-inf")
+
+    # Kept list (capacity B, rank-tuple preorder). Depth 1: the root's k children.
+    m = min(B, k)
+    score = torch.full((b, B), neg_inf, dtype=torch.float64, device=dev)
+    valid = torch.zeros(b, B, dtype=torch.bool, device=dev)
+    depth = torch.ones(b, B, dtype=torch.int64, device=dev)
+    rank = torch.zeros(b, B, dtype=torch.int64, device=dev)
+    parent = torch.full((b, B), -1, dtype=torch.int64, device=dev)
+    # lists are sorted best first, so the first m ranks are the best m, already in preorder
+    score[:, :m] = lq[:, 0, :m]
+    valid[:, :m] = True
+    rank[:, :m] = torch.arange(m, device=dev)
+
+    slot_j = torch.arange(1 + k, device=dev)  # 0 = the kept node itself, j >= 1 = child rank j-1
+    for d in range(2, H + 1):
+        grow = valid & (depth == d - 1)  # [b, B]
+        c_score = torch.empty(b, B, 1 + k, dtype=torch.float64, device=dev)
+        c_score[:, :, 0] = score
+        c_score[:, :, 1:] = score.unsqueeze(-1) + lq[:, d - 1, :].unsqueeze(1)
+        c_valid = torch.empty(b, B, 1 + k, dtype=torch.bool, device=dev)
+        c_valid[:, :, 0] = valid
+        c_valid[:, :, 1:] = grow.unsqueeze(-1)
+        c_depth = torch.where(slot_j == 0, depth.unsqueeze(-1), torch.full_like(depth.unsqueeze(-1), d))
+        c_rank = torch.where(slot_j == 0, rank.unsqueeze(-1), (slot_j - 1).expand(b, B, 1 + k))
+        old_idx = torch.arange(B, device=dev).view(1, B, 1).expand(b, B, 1 + k)
+        c_parent = torch.where(slot_j == 0, parent.unsqueeze(-1), old_idx)  # parent as an OLD kept index
+        flat = lambda x: x.reshape(b, B * (1 + k))  # noqa: E731
+        c_score, c_valid, c_depth, c_rank, c_parent = map(flat, (c_score, c_valid, c_depth, c_rank, c_parent))
+
+        # best B by (valid, score desc), ties by preorder position; then back to preorder
+        key = torch.where(c_valid, c_score, torch.full_like(c_score, neg_inf))
+        order = key.argsort(dim=1, descending=True, stable=True)
+        order = order.gather(1, (~c_valid).gather(1, order).to(torch.int8).argsort(dim=1, stable=True))
+        chosen = order[:, :B].sort(dim=1).values  # preorder positions of the new kept list
+
+        new_of_cand = torch.full((b, B * (1 + k)), -1, dtype=torch.int64, device=dev)
+        new_of_cand.scatter_(1, chosen, torch.arange(B, device=dev).expand(b, B).clone())
+        new_of_old = new_of_cand.view(b, B, 1 + k)[:, :, 0]
+        score, valid, depth, rank = (x.gather(1, chosen) for x in (c_score, c_valid, c_depth, c_rank))
+        par_old = c_parent.gather(1, chosen)
+        parent = torch.where(par_old >= 0, new_of_old.gather(1, par_old.clamp(min=0)), par_old)
+
+    # pop order: stable sort of the preorder list by (valid, score desc)
+    key = torch.where(valid, score, torch.full_like(score, neg_inf))
+    order = key.argsort(dim=1, descending=True, stable=True)
+    order = order.gather(1, (~valid).gather(1, order).to(torch.int8).argsort(dim=1, stable=True))
+    pos_of_kept = torch.empty_like(order).scatter_(1, order, torch.arange(B, device=dev).expand(b, B).clone())
+    valid_o, depth_o, rank_o, parent_o = (x.gather(1, order) for x in (valid, depth, rank, parent))
+    parent_node = torch.where(parent_o >= 0, pos_of_kept.gather(1, parent_o.clamp(min=0)) + 1, torch.zeros_like(parent_o))
+    tok = ids.gather(1, (depth_o - 1).clamp(min=0).unsqueeze(-1).expand(b, B, k)).gather(2, rank_o.unsqueeze(-1)).squeeze(-1)
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(valid_o, parent_node, 0)], 1)
+    tokens = torch.cat([root_tokens.view(b, 1), torch.where(valid_o, tok, 0)], 1)
+    valid_all = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), valid_o], 1)
+    return DraftTree.from_parents(parents, tokens, valid_all, validate=False)
+
+
+def _pad_tree(tree: DraftTree, budget: int) -> DraftTree:
+    b = tree.batch_size
+    dev = tree.device
+    parents = torch.cat([tree.parents, torch.zeros(b, budget, dtype=torch.int64, device=dev)], 1)
+    tokens = torch.cat([tree.tokens, torch.zeros(b, budget, dtype=torch.int64, device=dev)], 1)
+    valid = torch.cat([tree.valid, torch.zeros(b, budget, dtype=torch.bool, device=dev)], 1)
+    return DraftTree.from_parents(parents, tokens, valid, validate=False)
+
+
+def draft_topk(draft_logits: torch.Tensor, k: int):
+    """Per-depth top-k of the untempered draft law.
+
+    Args:
+        draft_logits: float [b, H, V].
+        k: list width, 1 <= k <= V.
+    Returns:
+        (topk_logprobs float32 [b, H, k], topk_ids int64 [b, H, k]); log-probs normalised over
+        the full vocabulary. Which of several tokens tied exactly at the k-th boundary enters the
+        list follows ``torch.topk``.
+    """
+    logq = torch.log_softmax(draft_logits.to(torch.float32), dim=-1)
+    vals, ids = torch.topk(logq, k, dim=-1)
+    return vals, ids
+
+
+def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, validate: bool = True) -> DraftTree:
+    """Best-first DDTree from full draft logits (wrapper over :func:`build_ddtree_topk`).
+
+    Args:
+        draft_logits: float [b, H, V], untempered per-depth draft logits (row j = depth j + 1);
+            -inf entries allowed.
+        budget: int >= 0, non-root nodes; the per-depth list width is k = min(budget, V).
+        root_tokens: int64 [b].
+        validate: check arguments (host syncs).
+    Returns:
+        :class:`DraftTree` with N = 1 + budget.
+    Raises:
+        ValueError naming the argument: budget not an int >= 0; wrong shape/dtype/device; NaN or
+        +inf logits; a row of only -inf.
+    """
+    if validate:
+        budget = _check_budget(budget)
+        if not isinstance(draft_logits, torch.Tensor) or not draft_logits.is_floating_point() or draft_logits.dim() != 3:
+            raise ValueError("draft_logits must be a floating tensor [b, H, V]")
+        _check_roots(root_tokens, draft_logits.shape[0], draft_logits.device)
+        if bool((torch.isnan(draft_logits) | (draft_logits == float("inf"))).any()):
+            raise ValueError("draft_logits contains NaN or +inf")
+        if bool((draft_logits == float("-inf")).all(-1).any()):
+            raise ValueError("draft_logits has a row whose entries are all -inf")
+    if budget == 0:
+        return _root_only(root_tokens)
+    k = min(budget, draft_logits.shape[-1])
+    vals, ids = draft_topk(draft_logits, k)
+    return build_ddtree_topk(vals, ids, budget, root_tokens, validate=False)
+
+
+def build_ddtree_reference(topk_logprobs, topk_ids, budget: int, root_token: int, upstream_arithmetic: bool = False):
+    """Heap reference for ONE tree (tests only), following the DDTree reference loop.
+
+    Args:
+        topk_logprobs: float [H, k]; topk_ids: int64 [H, k] (ranked here like the batched builder).
+        budget: non-root nodes. root_token: int.
+        upstream_arithmetic: compute a sibling's score as ``logw - lq[r] + lq[r + 1]`` as the
+            reference code does, instead of ``parent score + lq[r + 1]``.
+    Returns:
+        (parents list[int] of length 1 + n, tokens list[int] of length 1 + n), n <= budget.
+    """
+    lq, ids = _canonical_order(
+        torch.as_tensor(topk_logprobs).to(torch.float32).to(torch.float64).unsqueeze(0), torch.as_tensor(topk_ids).unsqueeze(0)
+    )
+    lq, ids = lq[0].tolist(), ids[0].tolist()
+    H = len(lq)
+    k = len(lq[0]) if H else 0
+    parents, tokens = [-1], [int(root_token)]
+    if budget <= 0 or H == 0 or k == 0:
+        return parents, tokens
+    # item: (-score, ranks, parent_node, depth, rank, score, parent_score)
+    heap = [(-lq[0][0], (0,), 0, 1, 0, lq[0][0], 0.0)]
+    while heap and len(parents) - 1 < budget:
+        _, ranks, par, d, r, s, ps = heapq.heappop(heap)
+        node = len(parents)
+        parents.append(par)
+        tokens.append(int(ids[d - 1][r]))
+        if r + 1 < k:
+            sib = s - lq[d - 1][r] + lq[d - 1][r + 1] if upstream_arithmetic else ps + lq[d - 1][r + 1]
+            heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), par, d, r + 1, sib, ps))
+        if d < H:
+            ch = s + lq[d][0]
+            heapq.heappush(heap, (-ch, ranks + (0,), node, d + 1, 0, ch, s))
+    return parents, tokens

@@ -1,0 +1,169 @@
+"""Exact tree verifiers behind one entry point, :func:`verify_tree`.
+
+All four methods realise the same canonical law on a fixed tree when they are exact (paper
+Theorem 1, Corollaries 1-2): exit at v with probability w(v), bonus ~ p_v^res. They differ in
+how they spend randomness and compute:
+
+=============  =====================================================  ======================
+method         decision                                               uniforms U per tree
+=============  =====================================================  ======================
+``tev``        one exit draw V ~ w, one bonus draw ~ p_V^res           2
+``predraw``    one target draw per node, follow the matching child     N
+``sequential`` test children in order, remove rejected mass (EAGLE)    N
+``greedy``     follow the argmax; only exact at temperature < 1e-5     0
+=============  =====================================================  ======================
+
+Verifiers share the law, not the samples: equal uniforms do not give equal outputs across methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_probs, validate_logits
+from ..tree import DraftTree, exit_law_from_edges
+from . import predraw as _predraw
+from . import sequential as _sequential
+from .greedy import greedy_verify
+from .predraw import predraw_verify
+from .sequential import sequential_verify
+from .tev import tev_verify
+
+__all__ = ["VerifyOutput", "verify_tree", "num_uniforms", "METHODS"]
+
+METHODS = ("tev", "predraw", "sequential", "greedy")
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """Result of verifying a batch of trees.
+
+    Attributes:
+        path: int64 [b, N], accepted node indices root-first, -1 padded (static width).
+        accept_len: int64 [b], accepted draft tokens (bonus excluded) = depth of the exit node.
+        bonus: int64 [b], the bonus token drawn after the accepted path.
+        exit_node: int64 [b], the last accepted node.
+        coverage: float [b], the target coverage C_p of each tree under the processed target
+            law (E[accept_len], paper Eq. 6); an extra the runtimes report.
+    """
+
+    path: torch.Tensor
+    accept_len: torch.Tensor
+    bonus: torch.Tensor
+    exit_node: torch.Tensor
+    coverage: torch.Tensor
+
+
+def num_uniforms(method: str, num_nodes: int) -> int:
+    """How many float64 uniforms per tree ``method`` consumes (see the module table)."""
+    if method == "tev":
+        return 2
+    if method == "predraw":
+        return _predraw.num_uniforms(num_nodes)
+    if method == "sequential":
+        return _sequential.num_uniforms(num_nodes)
+    if method == "greedy":
+        return 0
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def verify_tree(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    method: str = "tev",
+    sampling: SamplingParams | None = None,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+    validate: bool = True,
+    logits_processor: LogitsProcessor | None = None,
+) -> VerifyOutput:
+    """Verify draft trees against the target and return the accepted paths and bonus tokens.
+
+    Args:
+        tree: the draft trees (N nodes, b trees).
+        target_logits: float [b, N, V], the target's logits at every tree node (node v's row
+            predicts the token after pi(v)). Rows of padded nodes are ignored.
+        method: ``"tev"``, ``"predraw"``, ``"sequential"`` or ``"greedy"``.
+        sampling: the target law's parameters (default: temperature 1, no truncation).
+        generator: source of the uniforms when ``uniforms`` is None.
+        uniforms: optional float64 [b, U] in [0, 1), the ONLY randomness when given;
+            U = :func:`num_uniforms` (method, N).
+        validate: check every argument (several host syncs). Runtimes pass False after checking
+            once; then ``tev`` performs no host sync.
+        logits_processor: optional ``fn(logits [b, N, V], tree) -> logits`` applied before the
+            sampling law (penalties, logit bias, grammar).
+
+    Returns:
+        :class:`VerifyOutput`.
+
+    Raises:
+        ValueError naming the argument: unknown method; ``greedy`` with any temperature >= 1e-5
+        (not exact there); wrong shape/dtype/device of ``target_logits`` or ``uniforms``; NaN or
+        +inf logits, or a valid row of only -inf; uniforms outside [0, 1); invalid sampling values.
+    """
+    sampling = SamplingParams() if sampling is None else sampling
+    b, n = tree.batch_size, tree.num_nodes
+    if validate:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if not isinstance(tree, DraftTree):
+            raise ValueError(f"tree must be a DraftTree, got {type(tree).__name__}")
+        if not isinstance(target_logits, torch.Tensor) or not target_logits.is_floating_point():
+            raise ValueError("target_logits must be a floating tensor [b, N, V]")
+        if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (b, n):
+            raise ValueError(f"target_logits must have shape [{b}, {n}, V], got {tuple(target_logits.shape)}")
+        if target_logits.device != tree.device:
+            raise ValueError(f"target_logits must be on the tree's device {tree.device}, got {target_logits.device}")
+        sampling.validate(b)
+        if method == "greedy" and not sampling.all_greedy():
+            raise ValueError(
+                f"method 'greedy' is exact only at temperature < {GREEDY_EPS}; got temperature {sampling.temperature}"
+            )
+        if uniforms is not None:
+            want = num_uniforms(method, n)
+            if not isinstance(uniforms, torch.Tensor) or uniforms.dtype != torch.float64:
+                raise ValueError("uniforms must be a float64 tensor")
+            if tuple(uniforms.shape) != (b, want):
+                raise ValueError(f"uniforms must have shape [{b}, {want}] for method {method!r}, got {tuple(uniforms.shape)}")
+            if uniforms.device != tree.device:
+                raise ValueError(f"uniforms must be on the tree's device {tree.device}")
+            if bool(((uniforms < 0) | (uniforms >= 1)).any()):
+                raise ValueError("uniforms must lie in [0, 1)")
+
+    # Padded rows may hold anything (even NaN): neutralise them before any arithmetic.
+    logits = torch.where(tree.valid.unsqueeze(-1), target_logits, torch.zeros((), dtype=target_logits.dtype, device=target_logits.device))
+    if logits_processor is not None:
+        logits = logits_processor(logits, tree)
+        logits = torch.where(tree.valid.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    if validate:
+        validate_logits("target_logits", logits, tree.valid)
+    probs = processed_probs(logits, sampling)
+
+    if uniforms is None:
+        u_count = num_uniforms(method, n)
+        uniforms = torch.rand(b, u_count, dtype=torch.float64, device=tree.device, generator=generator)
+
+    if method == "tev":
+        exit_node, bonus, law = tev_verify(tree, probs, uniforms)
+        coverage = law.coverage
+    else:
+        if method == "predraw":
+            exit_node, bonus = predraw_verify(tree, probs, uniforms)
+        elif method == "sequential":
+            exit_node, bonus = sequential_verify(tree, probs, uniforms)
+        else:
+            exit_node, bonus = greedy_verify(tree, probs)
+        coverage = _coverage(tree, probs)
+    accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)
+    return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, coverage)
+
+
+def _coverage(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
+    v = probs.shape[-1]
+    par = tree.parents.clamp(min=0)
+    rows = torch.gather(probs, 1, par.unsqueeze(-1).expand(-1, -1, v))
+    edge = torch.gather(rows, 2, tree.tokens.clamp(min=0, max=v - 1).unsqueeze(-1)).squeeze(-1)
+    return exit_law_from_edges(tree, edge, validate=False).coverage
+

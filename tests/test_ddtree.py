@@ -1,0 +1,123 @@
+"""DDTree builder: brute force over all prefixes, the heap reference, and tree invariants."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_tev import build_ddtree, build_ddtree_topk
+from sglang_tev.draft.ddtree import build_ddtree_reference
+
+
+def brute_force(lq: np.ndarray, ids: np.ndarray, budget: int):
+    """All prefixes of the per-depth lists, sorted by (score desc, rank tuple asc); top `budget`.
+
+    lq/ids must already be ranked (log-prob desc, id asc). Scores accumulate in float64 in
+    depth order, like the builders.
+    """
+    H, k = lq.shape
+    items = []
+    for d in range(1, H + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            s = 0.0
+            for j, r in enumerate(ranks):
+                s = s + float(lq[j, r])
+            items.append((-s, ranks))
+    items.sort()
+    chosen = [r for _, r in items[:budget]]
+    index = {r: i + 1 for i, r in enumerate(chosen)}
+    parents = [-1] + [index.get(r[:-1], 0) for r in chosen]
+    tokens = [int(ids[len(r) - 1, r[-1]]) for r in chosen]
+    return parents, tokens
+
+
+def ranked(lq, ids):
+    o = np.lexsort((ids, -lq), axis=-1)
+    return np.take_along_axis(lq, o, -1), np.take_along_axis(ids, o, -1)
+
+
+def tree_lists(tree, r):
+    n = int(tree.valid[r].sum())
+    return tree.parents[r, :n].tolist(), tree.tokens[r, :n].tolist()
+
+
+@settings(derandomize=True, max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    H=st.integers(1, 4),
+    k=st.integers(1, 3),
+    budget=st.integers(0, 30),
+    tied=st.booleans(),
+)
+def test_equals_brute_force_with_ties(seed, H, k, budget, tied):
+    rng = np.random.default_rng(seed)
+    b = 3
+    if tied:  # a small set of values makes equal scores common
+        lq = rng.choice(np.log([0.5, 0.25, 0.125]), size=(b, H, k)).astype(np.float32)
+    else:
+        lq = np.log(rng.dirichlet(np.ones(8), size=(b, H))[..., :k]).astype(np.float32)
+    ids = np.stack([np.stack([rng.permutation(8)[:k] for _ in range(H)]) for _ in range(b)])
+    roots = torch.tensor([1, 2, 3])
+    tree = build_ddtree_topk(torch.from_numpy(lq), torch.from_numpy(ids).long(), budget, roots)
+    assert tree.num_nodes == 1 + budget
+    for r in range(b):
+        lr, ir = ranked(lq[r].astype(np.float64), ids[r])
+        p_bf, t_bf = brute_force(lr, ir, budget)
+        p, t = tree_lists(tree, r)
+        assert p == p_bf and t[1:] == t_bf and t[0] == r + 1
+        p_ref, t_ref = build_ddtree_reference(torch.from_numpy(lq[r]), torch.from_numpy(ids[r]).long(), budget, r + 1)
+        assert p == p_ref and t == t_ref
+
+
+def test_matches_reference_on_random_logits():
+    """Same nodes in the same order as the heap reference (with the reference's own sibling
+    arithmetic too) at real sizes: H = 15, V = 512, budgets up to 128."""
+    g = torch.Generator().manual_seed(0)
+    for budget in [1, 7, 32, 64, 128]:
+        logits = torch.randn(4, 15, 512, generator=g) * 3
+        roots = torch.arange(4)
+        tree = build_ddtree(logits, budget, roots)
+        k = min(budget, 512)
+        vals, ids = torch.topk(torch.log_softmax(logits, -1), k)
+        for r in range(4):
+            p, t = tree_lists(tree, r)
+            for upstream in (False, True):
+                ref = build_ddtree_reference(vals[r], ids[r], budget, r, upstream_arithmetic=upstream)
+                assert (p, t) == ref, (budget, r, upstream)
+
+
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), H=st.integers(1, 6), V=st.integers(2, 12), budget=st.integers(0, 40))
+def test_invariants(seed, H, V, budget):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, H, V, generator=g) * 2
+    logits[0, 0, 0] = float("-inf")  # -inf entries are valid draft logits
+    tree = build_ddtree(logits, budget, torch.tensor([0, 1]))
+    logq = torch.log_softmax(logits.float(), -1).double()
+    for r in range(2):
+        p, t = tree_lists(tree, r)
+        n = len(p)
+        # count: min(budget, number of prefixes)
+        total = sum(V**d for d in range(1, H + 1))
+        assert n - 1 == min(budget, total)
+        assert bool(tree.valid[r, :n].all()) and not bool(tree.valid[r, n:].any())
+        seen = set()
+        scores = [0.0]
+        for i in range(1, n):
+            assert 0 <= p[i] < i  # parents precede children
+            assert (p[i], t[i]) not in seen  # distinct sibling tokens
+            seen.add((p[i], t[i]))
+            d = int(tree.depth[r, i])
+            assert d <= H
+            scores.append(scores[p[i]] + float(logq[r, d - 1, t[i]]))
+        s = scores[1:]
+        assert all(a >= b for a, b in zip(s, s[1:]))  # pop order: scores non-increasing
+
+
+def test_budget_zero_is_root_only():
+    tree = build_ddtree(torch.randn(2, 3, 5), 0, torch.tensor([4, 2]))
+    assert tree.num_nodes == 1 and tree.tokens[:, 0].tolist() == [4, 2] and tree.max_depth == 0

@@ -1,0 +1,225 @@
+"""Exactness of the exit law and of every verifier (DESIGN §7).
+
+For small vocabularies the law of (exit node, bonus token) is enumerated from target
+continuations (tests/exact_law.py, independent of the library). The library's exit law and
+residual must reproduce it exactly; each verifier's Monte-Carlo frequencies over ~20k batched
+rows per tree must pass a chi-square test at alpha = 1e-6, and the mean block length must match
+1 + coverage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from exact_law import chi_square_pvalue, enumerate_exit_law, random_tree, stack_trees
+
+from sglang_tev import DraftTree, SamplingParams, exit_law, processed_probs, residual_probs, verify_tree
+
+ALPHA = 1e-6
+ROWS = 20_000
+METHODS = ["tev", "predraw", "sequential"]
+
+
+def repeat_tree(tree: DraftTree, r: int) -> DraftTree:
+    return DraftTree.from_parents(
+        tree.parents.repeat_interleave(r, 0), tree.tokens.repeat_interleave(r, 0), tree.valid.repeat_interleave(r, 0)
+    )
+
+
+def make_case(seed: int, vocab: int, sizes: list[int], scale: float = 2.0):
+    """A padded batch of random trees of different sizes with random float64 target logits."""
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, n, vocab) for n in sizes]
+    width = max(sizes)
+    tree = stack_trees(trees, width)
+    logits = torch.from_numpy(rng.normal(size=(len(sizes), width, vocab)) * scale)
+    return trees, tree, logits
+
+
+def check_exact(trees, tree, logits, sampling, methods=METHODS, rows=ROWS, seed=0):
+    b, n, v = logits.shape
+    probs = processed_probs(logits, sampling)  # float64
+    law = exit_law(tree, probs)
+    for r, (parents, tokens) in enumerate(trees):
+        m = len(parents)
+        exact = enumerate_exit_law(parents, tokens, probs[r, :m].numpy())
+        # exit law == enumerated law of the exit node
+        np.testing.assert_allclose(law.w[r, :m].numpy(), exact.sum(1), rtol=0, atol=1e-12)
+        assert float(law.w[r].sum()) == pytest.approx(1.0, abs=1e-12)
+        assert float(law.w[r, m:].abs().sum()) == 0.0  # padding carries no mass
+        # residual at every node with w > 0 == enumerated bonus law given that exit node
+        for node in range(m):
+            if exact[node].sum() > 1e-12:
+                res = residual_probs(tree, probs, torch.full((b,), node))[r].numpy()
+                np.testing.assert_allclose(res, exact[node] / exact[node].sum(), rtol=0, atol=1e-10)
+    # Monte Carlo, every tree of the batch repeated `rows` times in one batched call
+    big = repeat_tree(tree, rows)
+    big_logits = logits.repeat_interleave(rows, 0)
+    big_sampling = _repeat_sampling(sampling, rows)
+    for method in methods:
+        gen = torch.Generator().manual_seed(seed)
+        out = verify_tree(big, big_logits, method=method, sampling=big_sampling, generator=gen)
+        _check_outputs_consistent(big, out)
+        for r, (parents, tokens) in enumerate(trees):
+            m = len(parents)
+            sl = slice(r * rows, (r + 1) * rows)
+            exact = enumerate_exit_law(parents, tokens, probs[r, :m].numpy())
+            counts = np.zeros((n, v))
+            np.add.at(counts, (out.exit_node[sl].numpy(), out.bonus[sl].numpy()), 1)
+            full = np.zeros((n, v))
+            full[:m] = exact
+            pval = chi_square_pvalue(counts, full)
+            assert pval > ALPHA, f"{method}: chi-square p = {pval:.3g} on tree {r}"
+            # E[1 + accept_len] = 1 + C_p
+            acc = out.accept_len[sl].double()
+            cov = float(law.coverage[r])
+            se = float(acc.std()) / rows**0.5 + 1e-9
+            assert abs(float(acc.mean()) - cov) < 6 * se, (method, float(acc.mean()), cov)
+            assert float(out.coverage[sl][0]) == pytest.approx(cov, abs=1e-9)
+
+
+def _repeat_sampling(s: SamplingParams, r: int) -> SamplingParams:
+    def rep(x):
+        return x.repeat_interleave(r) if isinstance(x, torch.Tensor) else x
+
+    return SamplingParams(rep(s.temperature), rep(s.top_k), rep(s.top_p), rep(s.min_p))
+
+
+def _check_outputs_consistent(tree: DraftTree, out):
+    """path is the root-to-exit path, accept_len its depth, and the bonus is not a child token."""
+    b, n = tree.parents.shape
+    assert out.path.shape == (b, n) and out.path.dtype == torch.int64
+    assert torch.equal(out.path[:, 0], torch.zeros(b, dtype=torch.int64))
+    assert torch.equal(out.accept_len, tree.depth.gather(1, out.exit_node[:, None])[:, 0])
+    length = (out.path >= 0).sum(1)
+    assert torch.equal(length, out.accept_len + 1)
+    last = out.path.gather(1, out.accept_len[:, None])[:, 0]
+    assert torch.equal(last, out.exit_node)
+    assert bool(tree.valid.gather(1, out.exit_node[:, None]).all())
+    # the bonus never equals a drafted child of the exit node
+    is_child = tree.valid & (tree.parents == out.exit_node[:, None])
+    is_child[:, 0] = False
+    clash = is_child & (tree.tokens == out.bonus[:, None])
+    assert not bool(clash.any())
+
+
+SAMPLINGS = {
+    "T1": SamplingParams(),
+    "T0.6": SamplingParams(temperature=0.6),
+    "T1.5": SamplingParams(temperature=1.5),
+    "top_k2": SamplingParams(top_k=2),
+    "top_p0.7": SamplingParams(top_p=0.7),
+    "min_p0.2": SamplingParams(min_p=0.2),
+    "top_k3_top_p0.8": SamplingParams(temperature=0.9, top_k=3, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_verifiers_match_enumerated_law(name):
+    seed = list(SAMPLINGS).index(name)
+    vocab = [4, 5, 6, 8, 4, 6, 8][seed]
+    # three trees of different sizes in one padded batch
+    trees, tree, logits = make_case(100 + seed, vocab, sizes=[9, 5, 12])
+    check_exact(trees, tree, logits, SAMPLINGS[name], seed=seed)
+
+
+def test_per_row_sampling_tensors():
+    trees, tree, logits = make_case(7, 6, sizes=[8, 10])
+    sampling = SamplingParams(
+        temperature=torch.tensor([0.5, 1.3], dtype=torch.float64), top_k=torch.tensor([0, 3]), top_p=torch.tensor([0.9, 1.0])
+    )
+    check_exact(trees, tree, logits, sampling, rows=10_000)
+
+
+def test_top_k_at_most_drafted_children_gives_zero_rho():
+    """top-k <= #drafted children at a node whose children hold the top tokens: rho = 0 there."""
+    # root has children tokens 0, 1, 2; node 1 (token 0) has children 3, 1
+    parents = [-1, 0, 0, 0, 1, 1]
+    tokens = [7, 0, 1, 2, 3, 1]
+    vocab = 6
+    rng = np.random.default_rng(3)
+    logits = torch.from_numpy(rng.normal(size=(1, 6, vocab)))
+    logits[0, 0, [0, 1]] += 6.0  # root: top-2 are drafted children 0 and 1
+    logits[0, 1, [3, 1]] += 6.0  # node 1: top-2 are its drafted children
+    tree = stack_trees([(parents, tokens)], 6)
+    sampling = SamplingParams(top_k=2)
+    law = exit_law(tree, processed_probs(logits, sampling))
+    assert float(law.rho[0, 0]) == 0.0 and float(law.rho[0, 1]) == 0.0
+    assert float(law.w[0, 0]) == 0.0
+    check_exact([(parents, tokens)], tree, logits, sampling)
+
+
+def test_greedy_all_methods_follow_argmax():
+    trees, tree, logits = make_case(11, 5, sizes=[10, 7, 3])
+    # make the argmax path go deep: boost each node's first child token
+    for r, (parents, tokens) in enumerate(trees):
+        for i in range(1, len(parents)):
+            if i == min(j for j in range(1, len(parents)) if parents[j] == parents[i]):
+                logits[r, parents[i], tokens[i]] += 5.0
+    sampling = SamplingParams(temperature=0.0)
+    outs = {m: verify_tree(tree, logits, m, sampling=sampling, generator=torch.Generator().manual_seed(1)) for m in METHODS + ["greedy"]}
+    for r, (parents, tokens) in enumerate(trees):
+        # brute-force argmax follow
+        children = {i: {} for i in range(len(parents))}
+        for i in range(1, len(parents)):
+            children[parents[i]][tokens[i]] = i
+        cur = 0
+        while int(logits[r, cur].argmax()) in children[cur]:
+            cur = children[cur][int(logits[r, cur].argmax())]
+        for m, out in outs.items():
+            assert int(out.exit_node[r]) == cur, m
+            assert int(out.bonus[r]) == int(logits[r, cur].argmax()), m
+    assert int(outs["greedy"].accept_len.max()) >= 2
+
+
+def test_uniforms_are_the_only_randomness():
+    trees, tree, logits = make_case(5, 6, sizes=[10, 6])
+    for method, u in [("tev", 2), ("predraw", 10), ("sequential", 10)]:
+        uni = torch.rand(2, u, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        a = verify_tree(tree, logits, method, uniforms=uni, generator=torch.Generator().manual_seed(1))
+        b = verify_tree(tree, logits, method, uniforms=uni, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(a.path, b.path) and torch.equal(a.bonus, b.bonus)
+
+
+def test_tev_inverse_cdf_uses_uniforms_as_documented():
+    """u0 picks the exit node by inverse CDF over w in node order; u1 the bonus over p^res in id order."""
+    trees, tree, logits = make_case(9, 5, sizes=[7])
+    probs = processed_probs(logits, SamplingParams())
+    law = exit_law(tree, probs)
+    cdf = law.w[0].cumsum(0)
+    for u0 in [0.0, 0.3, 0.77, 0.999]:
+        want_node = int((cdf > u0 * cdf[-1]).nonzero()[0])
+        res = residual_probs(tree, probs, torch.tensor([want_node]))[0]
+        rc = res.cumsum(0)
+        for u1 in [0.0, 0.5, 0.99]:
+            want_tok = int((rc > u1 * rc[-1]).nonzero()[0])
+            out = verify_tree(tree, logits, "tev", uniforms=torch.tensor([[u0, u1]], dtype=torch.float64))
+            assert int(out.exit_node[0]) == want_node and int(out.bonus[0]) == want_tok
+
+
+def test_padded_logits_are_ignored():
+    trees, tree, logits = make_case(13, 6, sizes=[4, 9])
+    dirty = logits.clone()
+    dirty[0, 4:] = float("nan")  # tree 0 has 4 valid nodes
+    for method in METHODS:
+        u = torch.rand(2, 2 if method == "tev" else 9, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        a = verify_tree(tree, logits, method, uniforms=u)
+        b = verify_tree(tree, dirty, method, uniforms=u)
+        assert torch.equal(a.path, b.path) and torch.equal(a.bonus, b.bonus)
+
+
+def test_logits_processor_hook_changes_the_law():
+    trees, tree, logits = make_case(17, 5, sizes=[6])
+    ban = 2
+
+    def no_token_2(lg, tr):
+        lg = lg.clone()
+        lg[..., ban] = float("-inf")
+        return lg
+
+    big = repeat_tree(tree, 2000)
+    out = verify_tree(big, logits.repeat(2000, 1, 1), "tev", logits_processor=no_token_2, generator=torch.Generator().manual_seed(0))
+    assert not bool((out.bonus == ban).any())
+    path_tokens = big.tokens.gather(1, out.path.clamp(min=0))[:, 1:]
+    assert not bool(((path_tokens == ban) & (out.path[:, 1:] >= 0)).any())
