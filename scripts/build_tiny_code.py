@@ -1,0 +1,455 @@
+#!/usr/bin/env python
+"""Build the small code model pair shipped in ``sglang_tev/assets`` (DESIGN.md §2, §8).
+
+Nothing can be downloaded, so the pair is trained here, seeded and reproducible, in stages:
+
+  tokenizer  byte-level BPE trained on the running interpreter's stdlib sources, a seeded held-out
+             split by file, and the token ids of both splits (documents joined with <|endoftext|>)
+  target     Qwen3ForCausalLM (~5.8 M parameters) trained as a causal LM on the training split;
+             resumes from atomic checkpoints in OUTDIR/target.work/
+  (draft, bench: added later; the drafter is trained by sglang_tev.train)
+
+Each stage writes OUTDIR/<stage>/ through a temp dir and one rename, so a stage directory either
+is complete or does not exist; a complete stage is skipped unless --force. Docs: docs/tiny-code.md.
+
+    python scripts/build_tiny_code.py --out runs/tiny-code --stages tokenizer,target --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+EOS, MASK = "<|endoftext|>", "<|mask|>"
+# Path parts never trained on: third-party code, the test suites (huge, repetitive and full of
+# deliberately odd code), pydoc_data (one 750 kB prose blob) and encodings (generated codec tables).
+SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "pydoc_data", "encodings"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # tokenizer stage
+    vocab_size: int = 4096          # BPE vocabulary, special tokens included
+    heldout_frac: float = 0.03      # fraction of files kept apart from all training
+    max_files: int | None = None    # None: every file that passes SKIP_PARTS
+    # target model: Qwen3 dims, ~5.8 M parameters with vocab 4096 and tied embeddings
+    hidden: int = 256
+    layers: int = 6
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 768
+    max_positions: int = 2048       # HumanEval prompts reach ~500 tokens, plus generation
+    rope_theta: float = 10000.0
+    # target training; `steps` is the budget (measurements in docs/tiny-code.md)
+    # 4096 tokens/update; 2 threads measured ~3.0k tokens/s -> ~39 min; 1 thread ~1.65k -> ~70 min
+    seq_len: int = 1024             # positions up to 1024 are trained: HumanEval prompt + completion
+    batch: int = 4
+    steps: int = 1700               # ~7.0 M tokens, ~2.6 epochs of the 2.7 M-token training split
+    lr: float = 2e-3
+    min_lr_frac: float = 0.1        # cosine decays to lr * min_lr_frac
+    warmup: int = 100
+    weight_decay: float = 0.1
+    ckpt_every: int = 50
+    log_every: int = 10
+
+
+FULL = Config()
+QUICK = Config(vocab_size=384, max_files=24, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32,
+               intermediate=128, max_positions=256, seq_len=64, batch=4, steps=6, warmup=2,
+               ckpt_every=2, log_every=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def fresh_tmp(out: Path, name: str) -> Path:
+    """Empty staging dir for stage `name`; a leftover from a killed run is discarded."""
+    tmp = out / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Move a fully written stage dir into place: rename is atomic on one filesystem, so readers
+    never see a half-written stage. An old complete dir only exists here under --force."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def stage_record(out: Path, name: str) -> dict | None:
+    """The stage.json of a complete stage, else None (stage.json is written last, before publish)."""
+    p = out / name / "stage.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def stdlib_files(max_files: int | None) -> tuple[Path, list[str]]:
+    """Relative paths of the stdlib's *.py files we train on, sorted: the corpus order is fixed."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
+    rels = [r for r in rels if not SKIP_PARTS.intersection(r.split("/")[:-1])
+            and not r.rsplit("/", 1)[-1].startswith("test_")]
+    if max_files is not None and max_files < len(rels):
+        # evenly spaced, so a small subset still spans the whole library
+        rels = [rels[i * len(rels) // max_files] for i in range(max_files)]
+    return root, rels
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 1: tokenizer + split + token ids
+
+def tokenizer_fingerprint(cfg: Config, seed: int) -> dict:
+    return {"vocab_size": cfg.vocab_size, "heldout_frac": cfg.heldout_frac, "max_files": cfg.max_files,
+            "seed": seed, "stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version.split()[0]}
+
+
+def build_tokenizer(args, cfg: Config, out: Path) -> dict:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root, rels = stdlib_files(cfg.max_files)
+    docs: dict[str, str] = {}
+    for rel in rels:
+        try:
+            text = (root / rel).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:  # a handful of latin-1 test fixtures at most; not worth guessing
+            continue
+        if text.strip():            # empty __init__.py files would only add lone <|endoftext|>s
+            docs[rel] = text
+    names = list(docs)
+    n_held = max(1, round(cfg.heldout_frac * len(names)))
+    if len(names) - n_held < 1:
+        raise SystemExit(f"error: argument --max-files: {len(names)} usable files leave nothing to train on")
+    held = set(random.Random(args.seed).sample(range(len(names)), n_held))
+    split = {"train": [n for i, n in enumerate(names) if i not in held],
+             "heldout": [n for i, n in enumerate(names) if i in held]}
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=[EOS, MASK],  # ids 0 and 1
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([docs[n] for n in split["train"]], trainer=trainer)  # held-out never seen
+    eos_id = tok.token_to_id(EOS)
+
+    ids, n_tokens = {}, {}
+    for part, files in split.items():
+        texts = [docs[n] for n in files]
+        enc = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+        bad = [f for f, d, t in zip(files, tok.decode_batch(enc), texts) if d != t]
+        if bad:  # byte-level BPE is lossless; anything else is a bug worth stopping for
+            raise RuntimeError(f"tokenizer does not round-trip {bad[:3]}")
+        flat = [i for e in enc for i in (*e, eos_id)]  # doc <|endoftext|> doc <|endoftext|> ...
+        ids[part] = np.asarray(flat, dtype=np.uint16)
+        n_tokens[part] = len(flat)
+
+    tmp = fresh_tmp(out, "tokenizer")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, mask_token=MASK,
+                                   clean_up_tokenization_spaces=False, model_max_length=cfg.max_positions)
+    fast.save_pretrained(tmp)
+    for part, arr in ids.items():
+        np.save(tmp / f"{part}.npy", arr)
+    write_json(tmp / "split.json", {"stdlib": str(root), "skip_parts": sorted(SKIP_PARTS), **split})
+    summary = {"files_train": len(split["train"]), "files_heldout": n_held, "vocab": tok.get_vocab_size(),
+               "tokens_train": n_tokens["train"], "tokens_heldout": n_tokens["heldout"],
+               "eos_id": eos_id, "mask_id": tok.token_to_id(MASK),
+               "chars_per_token": round(sum(map(len, docs.values())) / sum(n_tokens.values()), 3)}
+    write_json(tmp / "stage.json", {"fingerprint": tokenizer_fingerprint(cfg, args.seed), "summary": summary})
+    publish(tmp, out / "tokenizer")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 2: target
+
+def target_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    for k in ("vocab_size", "heldout_frac", "max_files"):
+        fields.pop(k)  # covered by the tokenizer's hash
+    return {**fields, "seed": seed, "tokenizer_sha256": sha256_file(out / "tokenizer" / "tokenizer.json")}
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warmup over `warmup` updates, then cosine decay to lr * min_lr_frac at `steps`."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def save_checkpoint(state: dict, path: Path) -> None:
+    """torch.save to a temp file, fsync, rename: a crash mid-write leaves the previous checkpoint."""
+    import torch
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def build_target(args, cfg: Config, out: Path) -> dict | None:
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tokdir = out / "tokenizer"
+    if stage_record(out, "tokenizer") is None:
+        raise SystemExit(f"error: argument --stages: 'target' needs {tokdir}; run the tokenizer stage first")
+    tok = PreTrainedTokenizerFast.from_pretrained(tokdir)
+    train = torch.from_numpy(np.load(tokdir / "train.npy").astype(np.int64))
+    held = torch.from_numpy(np.load(tokdir / "heldout.npy").astype(np.int64))
+    L, B = cfg.seq_len, cfg.batch
+    n_chunks = (len(train) - 1) // L
+    if n_chunks < 1:
+        raise SystemExit(f"error: argument --max-files: {len(train)} training tokens < seq_len {L}")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+
+    config = Qwen3Config(
+        vocab_size=-(-len(tok) // 64) * 64,  # rounded up to a multiple of 64 for kernel-friendly shapes
+        hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(args.seed)  # the model init is the only random draw of this stage
+    model = Qwen3ForCausalLM(config).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+    work = out / "target.work"
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_path, log_path = work / "ckpt.pt", work / "train_log.jsonl"
+    fingerprint = target_fingerprint(cfg, args.seed, out)
+    step, train_s = 0, 0.0
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        if state["fingerprint"] != fingerprint:
+            raise SystemExit(f"error: argument --force: {ckpt_path} is from another config; pass --force to restart")
+        if state["threads"] != torch.get_num_threads() or state["device"] != device.type:
+            print(f"warning: resuming a {state['device']} run made with {state['threads']} threads on "
+                  f"{device.type} with {torch.get_num_threads()}; results may differ in the last bits",
+                  file=sys.stderr)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        step, train_s = state["step"], state["train_s"]
+        print(f"target: resuming at step {step}/{cfg.steps}", file=sys.stderr)
+    # the log may run past the last checkpoint when a run was killed: drop those lines
+    lines = log_path.read_text().splitlines() if log_path.exists() else []
+    log_path.write_text("".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step))
+
+    perms: dict[int, torch.Tensor] = {}
+
+    def batch_at(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch of update `s`: a pure function of (seed, s), which is what makes resume exact.
+        Each epoch visits every packed chunk once, in a seeded order."""
+        starts = []
+        for pos in range(s * B, (s + 1) * B):
+            epoch, i = divmod(pos, n_chunks)
+            if epoch not in perms:
+                g = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)
+                perms[epoch] = torch.randperm(n_chunks, generator=g)
+            starts.append(int(perms[epoch][i]) * L)
+        x = torch.stack([train[a:a + L] for a in starts])
+        y = torch.stack([train[a + 1:a + L + 1] for a in starts])
+        return x.to(device), y.to(device)
+
+    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    stop = cfg.steps if args.max_steps is None else min(cfg.steps, args.max_steps)
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc="target", unit="step", dynamic_ncols=True,
+               mininterval=0.5 if sys.stderr.isatty() else 30)
+    win_loss, win_steps, win_s = 0.0, 0, 0.0
+    with open(log_path, "a") as log:
+        while step < stop:
+            t0 = time.perf_counter()
+            x, y = batch_at(step)
+            lr = lr_at(cfg, step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with torch.autocast(**amp):
+                logits = model(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            win_loss += loss.item()
+            win_steps += 1
+            dt = time.perf_counter() - t0
+            win_s += dt
+            train_s += dt
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == stop:
+                rec = {"step": step, "loss": round(win_loss / win_steps, 5), "lr": lr,
+                       "tokens_per_s": round(win_steps * B * L / win_s, 1), "train_s": round(train_s, 1)}
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                bar.set_postfix(loss=rec["loss"], tok_s=rec["tokens_per_s"])
+                win_loss, win_steps, win_s = 0.0, 0, 0.0
+            if step % cfg.ckpt_every == 0 or step == stop:
+                save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
+                                 "train_s": train_s, "fingerprint": fingerprint,
+                                 "threads": torch.get_num_threads(), "device": device.type}, ckpt_path)
+    bar.close()
+    if step < cfg.steps:
+        print(f"target: stopped at step {step}/{cfg.steps} (--max-steps); rerun to resume", file=sys.stderr)
+        return None
+
+    # Ship bf16; evaluate the shipped (bf16-rounded) weights, computing in fp32 on CPU.
+    fp32_sha = hashlib.sha256(b"".join(v.detach().cpu().float().numpy().tobytes()
+                                       for _, v in sorted(model.state_dict().items()))).hexdigest()
+    tmp = fresh_tmp(out, "target")
+    model.to(torch.bfloat16)
+    model.config.use_cache = True
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    model.float().eval()
+    nll, count = 0.0, 0
+    with torch.no_grad(), torch.autocast(**amp):
+        for a in range(0, len(held) - 1, L * B):  # non-overlapping windows, B at a time
+            seg = held[a:a + L * B + 1]
+            n = (len(seg) - 1) // L * L
+            xs = [seg[:n].view(-1, L)] + ([seg[n:-1][None]] if len(seg) - 1 > n else [])
+            ys = [seg[1:n + 1].view(-1, L)] + ([seg[n + 1:][None]] if len(seg) - 1 > n else [])
+            for xb, yb in zip(xs, ys):
+                if xb.numel():
+                    lg = model(input_ids=xb.to(device), use_cache=False).logits.float()
+                    nll += F.cross_entropy(lg.flatten(0, 1), yb.to(device).flatten(), reduction="sum").item()
+                    count += yb.numel()
+    heldout_loss = nll / count
+    logs = [json.loads(ln) for ln in log_path.read_text().splitlines()]
+    summary = {"params": n_params, "steps": cfg.steps, "tokens_seen": cfg.steps * B * L,
+               "epochs": round(cfg.steps * B / n_chunks, 3), "train_s": round(train_s, 1),
+               "tokens_per_s": round(cfg.steps * B * L / train_s, 1), "final_train_loss": logs[-1]["loss"],
+               "heldout_tokens": count, "heldout_loss": heldout_loss, "heldout_ppl": math.exp(heldout_loss),
+               "fp32_sha256": fp32_sha, "device": device.type, "threads": torch.get_num_threads(),
+               "torch": torch.__version__}
+    write_json(tmp / "metrics.json", summary)
+    shutil.copyfile(log_path, tmp / "train_log.jsonl")
+    write_json(tmp / "stage.json", {"fingerprint": fingerprint, "summary": summary})
+    publish(tmp, out / "target")
+    shutil.rmtree(work)  # the checkpoint is only for resuming; the stage is complete now
+    print(f"target: held-out loss {heldout_loss:.4f}  ppl {math.exp(heldout_loss):.3f}  ({count} tokens)")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# stage registry: name -> (builder, fingerprint). Stage 3 ("draft", via sglang_tev.train) and
+# "bench" slot in here; each builder writes OUTDIR/<name>/ atomically and returns a summary dict.
+
+STAGES = {
+    "tokenizer": (build_tokenizer, lambda cfg, seed, out: tokenizer_fingerprint(cfg, seed)),
+    "target": (build_target, target_fingerprint),
+}
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("runs/tiny-code"), help="output dir (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, init and data order (default: 0)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"comma-separated stages to run, in order (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="tiny vocab, model and budget (tests, smoke runs)")
+    p.add_argument("--force", action="store_true", help="rebuild the selected stages even when complete")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if present")
+    p.add_argument("--max-files", type=int, help="use N evenly spaced stdlib files (default: all; --quick: 24)")
+    p.add_argument("--max-steps", type=int,
+                   help="stop the target stage after N updates, checkpointed; a later run resumes")
+    args = p.parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if not stages or unknown:
+        p.error(f"argument --stages: unknown stage(s) {unknown or args.stages!r}; known: {', '.join(STAGES)}")
+    args.stages = [s for s in STAGES if s in stages]  # registry order: later stages read earlier ones
+    if args.threads is None or args.threads < 1:
+        p.error(f"argument --threads: must be >= 1, got {args.threads}")
+    if args.max_files is not None and args.max_files < 2:
+        p.error(f"argument --max-files: must be >= 2 (one held-out file plus training), got {args.max_files}")
+    if args.max_steps is not None and args.max_steps < 1:
+        p.error(f"argument --max-steps: must be >= 1, got {args.max_steps}")
+    if args.seed < 0:
+        p.error(f"argument --seed: must be >= 0, got {args.seed}")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"argument --out: {args.out} exists and is not a directory")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            p.error("argument --device: cuda requested but torch.cuda.is_available() is False")
+    cfg = QUICK if args.quick else FULL
+    if args.max_files is not None:
+        cfg = dataclasses.replace(cfg, max_files=args.max_files)
+    return args, cfg
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict | None]:
+    args, cfg = parse_args(argv)
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # tokenizers' pool; read on first use
+    import torch
+    torch.set_num_threads(args.threads)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, tuple[str, float, dict | None]] = {}
+    for name in args.stages:
+        build, fingerprint = STAGES[name]
+        if args.force:
+            shutil.rmtree(out / name, ignore_errors=True)
+            shutil.rmtree(out / f"{name}.work", ignore_errors=True)
+        rec = stage_record(out, name)
+        if rec is not None:
+            if rec["fingerprint"] != fingerprint(cfg, args.seed, out):
+                raise SystemExit(f"error: argument --out: {out / name} was built with another config "
+                                 f"or seed; pass --force to rebuild it or choose another --out")
+            results[name] = ("skipped (complete)", 0.0, rec["summary"])
+            continue
+        t0 = time.perf_counter()
+        summary = build(args, cfg, out)
+        results[name] = ("built" if summary else "interrupted", time.perf_counter() - t0, summary)
+        if summary is None:
+            break  # later stages need this one
+
+    print(f"\n{'stage':<10} {'status':<19} {'wall':>8}  measured")
+    for name, (status, wall, s) in results.items():
+        print(f"{name:<10} {status:<19} {wall:>7.1f}s  " + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in (s or {}).items() if k not in ("fp32_sha256", "torch")))
+    return {name: s for name, (_, _, s) in results.items()}
+
+
+if __name__ == "__main__":
+    main()

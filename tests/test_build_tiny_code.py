@@ -1,0 +1,165 @@
+"""scripts/build_tiny_code.py: the real stages at --quick size (tiny vocab, model, budget).
+
+Runs in-process (one torch import) on 1 thread; CPU results are expected to be bit-identical.
+"""
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "build_tiny_code.py"
+spec = importlib.util.spec_from_file_location("build_tiny_code", SCRIPT)
+btc = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = btc  # dataclasses resolve string annotations through sys.modules
+spec.loader.exec_module(btc)
+
+QUICK = ["--quick", "--threads", "1", "--max-files", "12"]
+
+
+def run(out, *extra):
+    return btc.main([*QUICK, "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """One uninterrupted quick build, seed 0: the reference the other tests compare against."""
+    out = tmp_path_factory.mktemp("ref")
+    summary = run(out)
+    return out, summary
+
+
+def with_tokenizer(ref_out, dst):
+    """A fresh out dir holding a copy of the reference tokenizer stage, so only `target` reruns."""
+    shutil.copytree(ref_out / "tokenizer", dst / "tokenizer")
+    return dst
+
+
+def test_tokenizer_round_trips_and_has_specials(ref):
+    from transformers import AutoConfig, AutoTokenizer
+    out, summary = ref
+    tok = AutoTokenizer.from_pretrained(out / "target")  # shipped next to the model
+    cfg = AutoConfig.from_pretrained(out / "target")
+    assert tok.eos_token == "<|endoftext|>" and tok.mask_token == "<|mask|>"
+    assert tok.eos_token_id == cfg.eos_token_id == summary["tokenizer"]["eos_id"]
+    assert 0 <= tok.mask_token_id < cfg.vocab_size and tok.mask_token_id != tok.eos_token_id
+    assert len(tok) <= cfg.vocab_size and cfg.vocab_size % 64 == 0
+    assert tok.chat_template is None
+    split = json.loads((out / "tokenizer" / "split.json").read_text())
+    held = (Path(split["stdlib"]) / split["heldout"][0]).read_text(encoding="utf-8")
+    for text in [held, "def f(x):\n\treturn x ** 2  # ünïcode 🙂\r\n", "   \n\n  x=1"]:
+        ids = tok(text)["input_ids"]
+        assert tok.decode(ids) == text
+        assert tok.eos_token_id not in ids and tok.mask_token_id not in ids
+    # split by file, disjoint; both token streams are documents each followed by <|endoftext|>
+    assert split["heldout"] and not set(split["heldout"]) & set(split["train"])
+    import numpy as np
+    for part in ("train", "heldout"):
+        arr = np.load(out / "tokenizer" / f"{part}.npy")
+        assert arr[-1] == tok.eos_token_id and (arr == tok.eos_token_id).sum() == len(split[part])
+
+
+def test_target_loads_and_is_trained(ref):
+    from transformers import AutoModelForCausalLM
+    out, summary = ref
+    model = AutoModelForCausalLM.from_pretrained(out / "target")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.bfloat16
+    assert model.config.tie_word_embeddings
+    metrics = json.loads((out / "target" / "metrics.json").read_text())
+    assert metrics == summary["target"]
+    log = [json.loads(ln) for ln in (out / "target" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, btc.QUICK.steps + 1))
+    assert log[-1]["loss"] < log[0]["loss"]  # a few steps from init already lower the loss
+    assert metrics["heldout_ppl"] == pytest.approx(2.718281828 ** metrics["heldout_loss"])
+    assert not (out / "target.work").exists() and not list(out.glob(".*.tmp"))
+
+
+def test_same_seed_same_bytes_other_seed_differs(ref, tmp_path):
+    out, _ = ref
+    run(tmp_path / "a")
+    for f in ["tokenizer/tokenizer.json", "tokenizer/train.npy", "target/model.safetensors"]:
+        assert (tmp_path / "a" / f).read_bytes() == (out / f).read_bytes(), f
+    run(tmp_path / "b", "--seed", "1")
+    assert (tmp_path / "b/target/model.safetensors").read_bytes() != (out / "target/model.safetensors").read_bytes()
+
+
+def test_resume_after_max_steps_is_bit_identical(ref, tmp_path):
+    out, summary = ref
+    dst = with_tokenizer(out, tmp_path)
+    first = run(dst, "--max-steps", "3")
+    assert first["target"] is None and not (dst / "target").exists()
+    state = torch.load(dst / "target.work" / "ckpt.pt", weights_only=True)
+    assert state["step"] == 3
+    with open(dst / "target.work" / "train_log.jsonl", "a") as f:  # a killed run logged past its ckpt
+        f.write(json.dumps({"step": 4, "loss": -1.0, "lr": 0.0}) + "\n")
+    second = run(dst)
+    assert second["target"]["fp32_sha256"] == summary["target"]["fp32_sha256"]
+    assert second["target"]["heldout_loss"] == summary["target"]["heldout_loss"]
+    assert (dst / "target/model.safetensors").read_bytes() == (out / "target/model.safetensors").read_bytes()
+    logs = [[(r["step"], r["loss"], r["lr"]) for r in map(json.loads, (d / "target/train_log.jsonl").open())]
+            for d in (dst, out)]
+    assert logs[0] == logs[1]
+
+
+def test_failed_checkpoint_write_keeps_previous(ref, tmp_path, monkeypatch):
+    out, summary = ref
+    dst = with_tokenizer(out, tmp_path)
+    run(dst, "--max-steps", "2")
+    ckpt = dst / "target.work" / "ckpt.pt"
+    before = ckpt.read_bytes()
+
+    def torn_save(obj, f, *a, **k):  # writes half a file, then the disk "fills up"
+        f.write(b"half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="No space"):
+        run(dst)  # resumes at 2, fails writing the step-4 checkpoint
+    monkeypatch.undo()
+    assert ckpt.read_bytes() == before and not list(ckpt.parent.glob("*.tmp"))
+    assert not (dst / "target").exists()
+    assert run(dst)["target"]["fp32_sha256"] == summary["target"]["fp32_sha256"]
+
+
+def test_complete_stage_is_skipped_and_force_rebuilds(ref, tmp_path, capsys):
+    out, summary = ref
+    dst = tmp_path / "o"
+    shutil.copytree(out, dst)
+    mtime = (dst / "target/model.safetensors").stat().st_mtime_ns
+    assert run(dst) == summary
+    assert "skipped (complete)" in capsys.readouterr().out
+    assert (dst / "target/model.safetensors").stat().st_mtime_ns == mtime
+    run(dst, "--stages", "target", "--force")
+    assert (dst / "target/model.safetensors").stat().st_mtime_ns != mtime
+
+
+@pytest.mark.parametrize("argv, arg", [
+    (["--threads", "0"], "--threads"),
+    (["--stages", "tokenizer,drafter"], "--stages"),
+    (["--stages", ","], "--stages"),
+    (["--max-files", "1"], "--max-files"),
+    (["--max-steps", "0"], "--max-steps"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", "x"], "--seed"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_arguments_name_the_argument(argv, arg, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        btc.main(["--out", str(tmp_path), *argv])
+    assert e.value.code == 2 and f"argument {arg}" in capsys.readouterr().err
+
+
+def test_bad_inputs_raise(ref, tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("")
+    with pytest.raises(SystemExit):  # --out is a file
+        btc.main(["--out", str(afile)])
+    with pytest.raises(SystemExit, match="run the tokenizer stage first"):
+        run(tmp_path / "empty", "--stages", "target")
+    dst = tmp_path / "o"
+    shutil.copytree(ref[0] / "tokenizer", dst / "tokenizer")
+    with pytest.raises(SystemExit, match="--force"):  # built with seed 0, asked for seed 1
+        run(dst, "--stages", "tokenizer", "--seed", "1")
