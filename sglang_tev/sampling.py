@@ -130,7 +130,11 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Ten
 
     temp = rows(sampling.temperature, dt)
     greedy = temp < GREEDY_EPS
-    probs = torch.softmax(x / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)
+    # one fresh [.., V] buffer, softmax in place: large allocations dominate on CPU
+    probs = x * (1.0 / torch.where(greedy, torch.ones_like(temp), temp))
+    probs -= probs.amax(-1, keepdim=True)
+    probs.exp_()
+    probs /= probs.sum(-1, keepdim=True)
 
     # top-k: keep p >= the k-th largest (ties with it kept); k <= 0 or k >= V is off
     k = rows(sampling.top_k, torch.int64)

@@ -28,6 +28,7 @@ __all__ = [
     "exit_law",
     "exit_law_from_edges",
     "residual_probs",
+    "edge_probs",
     "tree_positions",
     "tree_attention_mask",
 ]
@@ -311,13 +312,21 @@ def exit_law(tree: DraftTree, target_probs: torch.Tensor, validate: bool = True)
         _check_node_tensor("target_probs", target_probs, tree, ndim=3)
     probs = target_probs.to(_law_dtype(target_probs))
     v = probs.shape[-1]
-    par = tree.parents.clamp(min=0)
-    tok = tree.tokens.clamp(min=0, max=v - 1)
-    parent_rows = torch.gather(probs, 1, par.unsqueeze(-1).expand(-1, -1, v))
-    edge = torch.gather(parent_rows, 2, tok.unsqueeze(-1)).squeeze(-1)
+    edge = edge_probs(tree, probs)
     child_tok = tree.child_token_mask(v)
     rho = probs.masked_fill(child_tok, 0.0).sum(-1).clamp(min=0.0)
     return _propagate(tree, edge, rho)
+
+
+def edge_probs(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
+    """Edge probabilities ``p_pa(v)(x_v)`` [b, N] (root and padded entries are meaningless).
+
+    Args:
+        probs: float [b, N, V]. Returns the same dtype. One gather of N elements per tree.
+    """
+    b, n, v = probs.shape
+    flat = tree.parents.clamp(min=0) * v + tree.tokens.clamp(min=0, max=v - 1)
+    return torch.gather(probs.reshape(b, n * v), 1, flat)
 
 
 def exit_law_from_edges(tree: DraftTree, edge_probs: torch.Tensor, validate: bool = True) -> ExitLaw:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_probs, validate_logits
-from ..tree import DraftTree, exit_law_from_edges
+from ..tree import DraftTree, edge_probs, exit_law_from_edges
 from . import predraw as _predraw
 from . import sequential as _sequential
 from .greedy import greedy_verify
@@ -132,15 +132,23 @@ def verify_tree(
             if bool(((uniforms < 0) | (uniforms >= 1)).any()):
                 raise ValueError("uniforms must lie in [0, 1)")
 
-    # Padded rows may hold anything (even NaN): neutralise them before any arithmetic.
-    logits = torch.where(tree.valid.unsqueeze(-1), target_logits, torch.zeros((), dtype=target_logits.dtype, device=target_logits.device))
+    # Padded rows may hold anything (even NaN): every step below masks them out by `valid`
+    # (rho, edges, child matches), so they are never copied or cleaned here.
+    logits = target_logits
     if logits_processor is not None:
         logits = logits_processor(logits, tree)
-        logits = torch.where(tree.valid.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     if validate:
         validate_logits("target_logits", logits, tree.valid)
-    probs = processed_probs(logits, sampling)
 
+    if _scalar_greedy(sampling.temperature):
+        # Greedy law: every p_v is one-hot at the argmax, so each method is argmax-follow
+        # (DESIGN §1) and uses no randomness; coverage is then the argmax path's depth.
+        exit_node, bonus = greedy_verify(tree, logits)
+        accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)
+        coverage = accept_len.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, coverage)
+
+    probs = processed_probs(logits, sampling)
     if uniforms is None:
         u_count = num_uniforms(method, n)
         uniforms = torch.rand(b, u_count, dtype=torch.float64, device=tree.device, generator=generator)
@@ -154,16 +162,17 @@ def verify_tree(
         elif method == "sequential":
             exit_node, bonus = sequential_verify(tree, probs, uniforms)
         else:
-            exit_node, bonus = greedy_verify(tree, probs)
+            exit_node, bonus = greedy_verify(tree, logits)
         coverage = _coverage(tree, probs)
     accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)
     return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, coverage)
 
 
+def _scalar_greedy(temperature) -> bool:
+    """Host-side check (no sync): a Python-scalar temperature below 1e-5."""
+    return not isinstance(temperature, torch.Tensor) and temperature < GREEDY_EPS
+
+
 def _coverage(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
-    v = probs.shape[-1]
-    par = tree.parents.clamp(min=0)
-    rows = torch.gather(probs, 1, par.unsqueeze(-1).expand(-1, -1, v))
-    edge = torch.gather(rows, 2, tree.tokens.clamp(min=0, max=v - 1).unsqueeze(-1)).squeeze(-1)
-    return exit_law_from_edges(tree, edge, validate=False).coverage
+    return exit_law_from_edges(tree, edge_probs(tree, probs), validate=False).coverage
 

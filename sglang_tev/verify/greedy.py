@@ -11,17 +11,18 @@ NUM_UNIFORMS = 0
 """Greedy uses no randomness."""
 
 
-def greedy_verify(tree: DraftTree, probs: torch.Tensor):
+def greedy_verify(tree: DraftTree, scores: torch.Tensor):
     """Follow the target argmax from the root; the bonus is the argmax at the exit node.
 
     Args:
         tree: draft trees, N nodes.
-        probs: float [b, N, V], the processed target law (one-hot at T < 1e-5).
+        scores: float [b, N, V], target logits (or any scores with the same argmax, such as the
+            processed law at T < 1e-5).
     Returns:
         (exit_node int64 [b], bonus int64 [b]).
     Ties in the argmax go to the lowest id. No host sync.
     """
-    top = probs.argmax(-1)  # [b, N]
+    top = scores.argmax(-1)  # [b, N]
     exit_node = follow(tree, child_with_token(tree, top))
     bonus = torch.gather(top, 1, exit_node.unsqueeze(1)).squeeze(1)
     return exit_node, bonus

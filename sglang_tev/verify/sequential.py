@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import DraftTree, residual_probs
+from ..tree import DraftTree, edge_probs, residual_probs
 from ._common import follow, inverse_cdf
 
 
@@ -37,8 +37,7 @@ def sequential_verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tens
     par = tree.parents.clamp(min=0)
     is_child = tree.valid.clone()
     is_child[:, 0] = False
-    parent_rows = torch.gather(probs, 1, par.unsqueeze(-1).expand(b, n, v))
-    edge = torch.gather(parent_rows, 2, tree.tokens.clamp(min=0, max=v - 1).unsqueeze(-1)).squeeze(-1).to(dt)
+    edge = edge_probs(tree, probs).to(dt)
     edge = torch.where(is_child, edge, torch.zeros_like(edge))
     # M before each child: mass of earlier siblings (smaller index, same parent)
     idx = torch.arange(n, device=probs.device)
