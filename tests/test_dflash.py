@@ -583,6 +583,7 @@ def test_validate_against_target():
     model.validate_against_target(target_cfg.to_dict())
     for key, value, match in [("hidden_size", 128, "hidden_size"),
                               ("vocab_size", MASK, "mask_token_id"),
+                              ("vocab_size", V + 8, "vocab_size"),
                               ("num_hidden_layers", 3, "target_layer_ids"),
                               ("num_hidden_layers", 5, "num_target_layers")]:
         bad = copy.deepcopy(target_cfg)

@@ -344,7 +344,8 @@ class DFlashConfig:
         Uses the target's text config (``get_text_config()``) when it has one. Raises
         ``ValueError`` naming the field when: ``hidden_size`` differs from the target's (block
         embeddings and the LM head are the target's); ``mask_token_id >= `` the target's
-        ``vocab_size``; a ``target_layer_ids`` entry is ``>=`` the target's
+        ``vocab_size``; the drafter's ``vocab_size`` (when set) differs from the target's; a
+        ``target_layer_ids`` entry is ``>=`` the target's
         ``num_hidden_layers``; ``num_target_layers`` differs from the target's
         ``num_hidden_layers`` (the drafter was trained against another model).
         """
@@ -365,6 +366,9 @@ class DFlashConfig:
         if self.mask_token_id >= t_vocab:
             raise ValueError(f"mask_token_id: {self.mask_token_id} is not a row of the target's "
                              f"embedding (vocab_size {t_vocab})")
+        if self.vocab_size is not None and self.vocab_size != t_vocab:
+            raise ValueError(f"vocab_size: drafter was trained with {self.vocab_size} tokens, "
+                             f"target has {t_vocab}")
         if max(self.target_layer_ids) >= t_layers:
             raise ValueError(f"target_layer_ids: {list(self.target_layer_ids)} reach past the "
                              f"target's {t_layers} layers")
