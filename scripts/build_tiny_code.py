@@ -7,7 +7,9 @@ Nothing can be downloaded, so the pair is trained here, seeded and reproducible,
              split by file, and the token ids of both splits (documents joined with <|endoftext|>)
   target     Qwen3ForCausalLM (~5.8 M parameters) trained as a causal LM on the training split;
              resumes from atomic checkpoints in OUTDIR/target.work/
-  (draft, bench: added later; the drafter is trained by sglang_tev.train)
+  draft      DFlash drafter (2 layers, block size 16) trained by sglang_tev.train on the target's
+             own features over the training split; resumes from the trainer's checkpoints in
+             OUTDIR/draft_train/; ships bf16 in the z-lab layout; held-out per-depth accuracy/CE
 
 Each stage writes OUTDIR/<stage>/ through a temp dir and one rename, so a stage directory either
 is complete or does not exist; a complete stage is skipped unless --force. Docs: docs/tiny-code.md.
@@ -367,12 +369,151 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# stage registry: name -> (builder, fingerprint). Stage 3 ("draft", via sglang_tev.train) and
-# "bench" slot in here; each builder writes OUTDIR/<name>/ atomically and returns a summary dict.
+# stage 3: draft (sglang_tev.train)
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """The drafter and its training run. Kept apart from `Config` so that adding this stage did
+    not change the tokenizer/target fingerprints of builds already under way."""
+    layers: int = 2
+    intermediate: int = 768
+    block_size: int = 16
+    # z-lab's default for 6 target layers / 2 draft layers is [1, 3] (spread over [1, L-3]); we add
+    # layer 4, the deepest whose HF hidden state is a raw layer output (hidden_states[6] is the
+    # final-normed one, which SGLang's aux capture would not reproduce).
+    target_layer_ids: tuple = (1, 3, 4)
+    # training; measurements in docs/training.md ("Speed"): S=1024, b=2, 64 anchors is ~1.1 s/step
+    # on 1 thread, ~0.7 s/step on 2 idle threads -> 1800 steps ~ 21 min on 2 threads
+    seq_len: int = 1024
+    batch: int = 2
+    anchors: int = 64               # blocks per sequence: 128 blocks x 15 labels per step
+    steps: int = 1800               # ~3.7 M target tokens, ~1.4 epochs of the training split
+    lr: float = 1e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 90
+    weight_decay: float = 0.0
+    gamma: float | None = 7.0       # loss_decay_gamma of SpecForge's DFlash recipes
+    ckpt_every: int = 100
+    log_every: int = 10
+    eval_windows: int = 64          # held-out windows of seq_len tokens
+    eval_stride: int = 16           # one anchor every 16 positions
+
+
+FULL_DRAFT = DraftConfig()
+QUICK_DRAFT = DraftConfig(layers=1, intermediate=96, target_layer_ids=(0,), seq_len=64, batch=2,
+                          anchors=8, steps=6, warmup=2, ckpt_every=2, log_every=1, eval_windows=4,
+                          eval_stride=4)
+
+
+def draft_config_for(cfg: Config) -> DraftConfig:
+    """QUICK_DRAFT for a --quick build (whatever --max-files), else FULL_DRAFT."""
+    same = dataclasses.replace(cfg, max_files=None) == dataclasses.replace(QUICK, max_files=None)
+    return QUICK_DRAFT if same else FULL_DRAFT
+
+
+def draft_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
+    dcfg = draft_config_for(cfg)
+    return {**{f.name: getattr(dcfg, f.name) for f in dataclasses.fields(DraftConfig)},
+            "target_layer_ids": list(dcfg.target_layer_ids), "seed": seed,
+            "tokenizer_sha256": sha256_file(out / "tokenizer" / "tokenizer.json"),
+            "target_sha256": sha256_file(out / "target" / "model.safetensors")}
+
+
+def build_draft(args, cfg: Config, out: Path) -> dict | None:
+    import torch
+    from sglang_tev.draft.dflash import DFlashDraftModel
+    from sglang_tev.train import ConfigError, evaluate, load_dataset, load_target, train
+
+    if stage_record(out, "target") is None:
+        raise SystemExit(f"error: argument --stages: 'draft' needs {out / 'target'}; run the target stage first")
+    dcfg = draft_config_for(cfg)
+    work = out / "draft_train"
+    fingerprint = draft_fingerprint(cfg, args.seed, out)
+    fp_path = work / "stage_fingerprint.json"
+    if args.force:
+        shutil.rmtree(work, ignore_errors=True)
+    if work.exists() and (not fp_path.exists() or json.loads(fp_path.read_text()) != fingerprint):
+        raise SystemExit(f"error: argument --force: {work} is from another config or target; pass --force to restart")
+    work.mkdir(parents=True, exist_ok=True)
+    write_json(fp_path, fingerprint)
+    mask_id = stage_record(out, "tokenizer")["summary"]["mask_id"]
+    run_cfg = {
+        "target": str(out / "target"), "data": str(out / "tokenizer" / "train.npy"),
+        "output_dir": str(work), "max_steps": dcfg.steps, "seq_len": dcfg.seq_len,
+        "batch_size": dcfg.batch, "num_anchors": dcfg.anchors, "block_size": dcfg.block_size,
+        "loss_decay_gamma": dcfg.gamma, "lr": dcfg.lr, "min_lr_ratio": dcfg.min_lr_frac,
+        "warmup_steps": dcfg.warmup, "weight_decay": dcfg.weight_decay, "grad_clip": 1.0,
+        "seed": args.seed, "threads": args.threads, "save_every": dcfg.ckpt_every,
+        "keep_checkpoints": 1, "log_every": dcfg.log_every, "device": args.device,
+        "export_dtype": "bfloat16", "tensorboard": False, "stop_at_step": args.max_steps,
+        "draft": {"num_hidden_layers": dcfg.layers, "intermediate_size": dcfg.intermediate,
+                  "block_size": dcfg.block_size, "target_layer_ids": list(dcfg.target_layer_ids),
+                  "mask_token_id": mask_id},
+    }
+    t0 = time.perf_counter()
+    try:
+        res = train(run_cfg)
+    except ConfigError as e:
+        if e.key == "threads":
+            raise SystemExit(f"error: argument --threads: {e}") from None
+        raise
+    if not res.complete:
+        print(f"draft: stopped at step {res.step}/{dcfg.steps} (--max-steps); rerun to resume", file=sys.stderr)
+        return None
+    logs = [json.loads(ln) for ln in (work / "train_log.jsonl").read_text().splitlines()]
+
+    # Evaluate the shipped (bf16-rounded) drafter, computing in fp32 (bf16 autocast on CUDA).
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    target, tok = load_target(out / "target", device, torch.float32)
+    drafter = DFlashDraftModel.from_pretrained(res.final_dir, dtype=torch.float32, device=device)
+    held = load_dataset(out / "tokenizer" / "heldout.npy", dcfg.seq_len, key="heldout")
+    ev = evaluate(drafter, target, held, stride=dcfg.eval_stride, max_windows=dcfg.eval_windows,
+                  batch_size=dcfg.batch, sep_ids=[tok.eos_token_id if tok is not None else target.config.eos_token_id],
+                  device=device,
+                  autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
+
+    def clean(xs, nd):  # json-stable (no NaN: the skipped-stage summary must compare equal)
+        return [None if x != x else round(x, nd) for x in xs]
+
+    train_s = round(time.perf_counter() - t0, 1)
+    tail = logs[-max(1, len(logs) // 10):]
+    summary = {"params": sum(p.numel() for p in drafter.parameters()), "layers": dcfg.layers,
+               "block_size": dcfg.block_size, "target_layer_ids": list(dcfg.target_layer_ids),
+               "steps": dcfg.steps, "tokens_seen": dcfg.steps * dcfg.batch * dcfg.seq_len,
+               "final_train_loss": round(sum(r["loss"] for r in tail) / len(tail), 5),
+               "heldout_anchors": ev["anchors"], "heldout_ce_mean": round(ev["ce_mean"], 5),
+               "heldout_acc_mean": round(ev["acc_mean"], 5),
+               "heldout_accept_len_data": round(ev["accept_len_data"], 4),
+               "heldout_acc": clean(ev["acc"], 4), "heldout_ce": clean(ev["ce"], 4),
+               "wall_s": train_s, "device": device.type, "threads": torch.get_num_threads(),
+               "torch": torch.__version__}
+    tmp = fresh_tmp(out, "draft")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(res.final_dir / name, tmp / name)
+    write_json(tmp / "metrics.json", {**summary, "heldout": ev})
+    shutil.copyfile(work / "train_log.jsonl", tmp / "train_log.jsonl")
+    write_json(tmp / "stage.json", {"fingerprint": fingerprint, "summary": summary})
+    publish(tmp, out / "draft")
+    shutil.rmtree(work)  # checkpoints only serve resuming; the stage is complete now
+    print("draft: held-out per-depth top-1 accuracy / CE (nats), bf16 weights, "
+          f"{ev['anchors']} anchors in {ev['windows']} windows")
+    print("  depth " + " ".join(f"{d:>6}" for d in range(1, len(ev["acc"]) + 1)))
+    print("  acc   " + " ".join(f"{a:6.3f}" for a in ev["acc"]))
+    print("  ce    " + " ".join(f"{c:6.3f}" for c in ev["ce"]))
+    print(f"  mean acc {ev['acc_mean']:.4f}  mean ce {ev['ce_mean']:.4f}  "
+          f"leading-correct depths (accept length on the data) {ev['accept_len_data']:.3f}")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# stage registry: name -> (builder, fingerprint). A "bench" stage would slot in here; each builder
+# writes OUTDIR/<name>/ atomically and returns a summary dict.
 
 STAGES = {
     "tokenizer": (build_tokenizer, lambda cfg, seed, out: tokenizer_fingerprint(cfg, seed)),
     "target": (build_target, target_fingerprint),
+    "draft": (build_draft, draft_fingerprint),
 }
 
 
@@ -389,7 +530,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if present")
     p.add_argument("--max-files", type=int, help="use N evenly spaced stdlib files (default: all; --quick: 24)")
     p.add_argument("--max-steps", type=int,
-                   help="stop the target stage after N updates, checkpointed; a later run resumes")
+                   help="stop the target (or draft) stage after N updates, checkpointed; a later run resumes")
     args = p.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]

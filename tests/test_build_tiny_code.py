@@ -163,3 +163,69 @@ def test_bad_inputs_raise(ref, tmp_path):
     shutil.copytree(ref[0] / "tokenizer", dst / "tokenizer")
     with pytest.raises(SystemExit, match="--force"):  # built with seed 0, asked for seed 1
         run(dst, "--stages", "tokenizer", "--seed", "1")
+
+
+# ---------------------------------------------------------------------------------------------
+# stage `draft` (sglang_tev.train)
+
+def test_draft_stage_loads_and_decodes_like_autoregressive(ref):
+    from transformers import AutoTokenizer
+
+    from sglang_tev.draft.dflash import DFlashDraftModel
+    from sglang_tev.hf.runtime import SpeculativeGenerator
+    out, summary = ref
+    assert {"config.json", "model.safetensors", "metrics.json", "stage.json",
+            "train_log.jsonl"} <= set(p.name for p in (out / "draft").iterdir())
+    assert not (out / "draft_train").exists() and not list(out.glob(".*.tmp"))
+    draft = DFlashDraftModel.from_pretrained(out / "draft")
+    tok = AutoTokenizer.from_pretrained(out / "target")
+    assert draft.fc.weight.dtype == torch.bfloat16 and draft.config.block_size == 16
+    assert draft.config.mask_token_id == tok.mask_token_id == summary["tokenizer"]["mask_id"]
+    assert list(draft.config.target_layer_ids) == list(btc.QUICK_DRAFT.target_layer_ids)
+    metrics = json.loads((out / "draft" / "metrics.json").read_text())
+    assert len(metrics["heldout_acc"]) == len(metrics["heldout_ce"]) == 15
+    assert {k: v for k, v in metrics.items() if k != "heldout"} == summary["draft"]
+    log = [json.loads(ln) for ln in (out / "draft" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, btc.QUICK_DRAFT.steps + 1))
+
+    gen = SpeculativeGenerator.from_pretrained(out / "target", out / "draft", device="cpu")
+    prompt = "def parse(line):\n    "
+    want = gen.generate(prompt, method="autoregressive", max_new_tokens=20, ignore_eos=True).token_ids
+    assert len(want) == 20
+    for method in ("tev", "chain"):
+        got = gen.generate(prompt, method=method, budget=8, max_new_tokens=20, ignore_eos=True)
+        assert got.token_ids == want, method
+
+
+def test_draft_stage_resumes_bit_identically(ref, tmp_path):
+    out, summary = ref
+    dst = with_tokenizer(out, tmp_path)
+    shutil.copytree(out / "target", dst / "target")
+    first = run(dst, "--stages", "draft", "--max-steps", "3")
+    assert first["draft"] is None and not (dst / "draft").exists()
+    assert (dst / "draft_train" / "checkpoints" / "step_00000003").is_dir()
+    n = torch.get_num_threads()
+    try:  # the trainer pins the thread count: CPU float results depend on it
+        with pytest.raises(SystemExit, match="argument --threads"):
+            btc.main(["--quick", "--threads", "2", "--max-files", "12", "--out", str(dst), "--stages", "draft"])
+    finally:
+        torch.set_num_threads(n)
+    second = run(dst, "--stages", "draft")
+    assert second["draft"] == summary["draft"] | {"wall_s": second["draft"]["wall_s"]}
+    assert (dst / "draft/model.safetensors").read_bytes() == (out / "draft/model.safetensors").read_bytes()
+    logs = [[{k: v for k, v in json.loads(ln).items() if k != "tokens_per_s"}
+             for ln in (d / "draft/train_log.jsonl").open()] for d in (dst, out)]
+    assert logs[0] == logs[1]
+
+
+def test_draft_stage_bad_inputs(ref, tmp_path):
+    out, _ = ref
+    dst = with_tokenizer(out, tmp_path)
+    with pytest.raises(SystemExit, match="run the target stage first"):
+        run(dst, "--stages", "draft")
+    shutil.copytree(out / "target", dst / "target")
+    (dst / "draft_train").mkdir()
+    (dst / "draft_train" / "stage_fingerprint.json").write_text('{"seed": 7}')
+    with pytest.raises(SystemExit, match="--force"):  # leftovers of another config / target
+        run(dst, "--stages", "draft")
+    assert run(dst, "--stages", "draft", "--force")["draft"] is not None

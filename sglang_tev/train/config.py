@@ -1,0 +1,370 @@
+"""Run configuration of ``python -m sglang_tev.train``: schema, YAML loading, ``key=value`` overrides.
+
+A run config is a YAML mapping (DESIGN §6). Every key is validated here, before any model is
+loaded: an unknown key, a value of the wrong type or out of range raises :class:`ConfigError`
+naming the dotted key (``loss.exit.mode``, ``draft.num_hidden_layers``, ...). Overrides are
+``dotted.key=value`` strings whose value is parsed as a YAML scalar/flow value
+(``lr=3e-4``, ``loss_decay_gamma=null``, ``draft.target_layer_ids=[1,3]``).
+
+The schema is the tree of frozen dataclasses below; ``docs/training.md`` lists every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+__all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig",
+           "load_config", "parse_overrides", "config_to_dict"]
+
+
+class ConfigError(ValueError):
+    """A run-config problem; ``key`` is the dotted key at fault (``""`` for the whole config)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"config key {key!r}: {message}" if key else f"config: {message}")
+
+
+# -- range checks (field metadata "check": value -> error message or None) ----------------------
+
+def _ge(lo):
+    return lambda v: None if v >= lo else f"must be >= {lo}, got {v!r}"
+
+
+def _gt(lo):
+    return lambda v: None if v > lo else f"must be > {lo}, got {v!r}"
+
+
+def _in01(v):
+    return None if 0.0 <= v <= 1.0 else f"must be in [0, 1], got {v!r}"
+
+
+def _in01_open(v):
+    return None if 0.0 <= v < 1.0 else f"must be in [0, 1), got {v!r}"
+
+
+def _nonempty(v):
+    return None if v.strip() else "must be a non-empty string"
+
+
+def _device(v):
+    if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+        return None
+    return f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}"
+
+
+def _f(default: Any = dataclasses.MISSING, *, check=None, key: str | None = None,
+       factory=None, doc: str = ""):
+    meta = {"check": check, "key": key, "doc": doc}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DraftArchConfig:
+    """Architecture of a freshly initialised drafter (``draft:``; ignored with ``draft_init``).
+
+    ``None`` fields take the target's value (hidden size is always the target's: the drafter
+    reads the target's embeddings and LM head). ``target_layer_ids`` None: z-lab's default
+    (:func:`sglang_tev.draft.dflash.build_target_layer_ids`). ``mask_token_id`` None: the target
+    tokenizer's ``mask_token_id``. ``block_size`` None: the top-level ``block_size`` (or 16).
+    """
+
+    num_hidden_layers: int = _f(1, check=_ge(1))
+    intermediate_size: int | None = _f(None, check=_ge(1))
+    block_size: int | None = _f(None, check=_ge(2))
+    target_layer_ids: list[int] | None = _f(None)
+    mask_token_id: int | None = _f(None, check=_ge(0))
+    num_attention_heads: int | None = _f(None, check=_ge(1))
+    num_key_value_heads: int | None = _f(None, check=_ge(1))
+    head_dim: int | None = _f(None, check=_ge(2))
+    init_std: float = _f(0.02, check=_gt(0.0), doc="std of the normal init of Linear weights")
+
+
+@dataclass(frozen=True)
+class ExitLossConfig:
+    """ExitTrain's tree term (DESIGN §6, paper Eq. 14). Only ``mode: none`` is implemented."""
+
+    mode: Literal["none", "exit", "prefix"] = _f("none")
+    lambda_: float = _f(0.1, key="lambda", check=_ge(0.0))
+    budget: int = _f(32, check=_ge(1))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    token_weight: float = _f(1.0, check=_ge(0.0))
+    exit: ExitLossConfig = _f(factory=ExitLossConfig)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (DESIGN §6). Required: ``target``, ``data``, ``output_dir``, ``max_steps``.
+
+    Units: steps are optimizer updates; ``seq_len``/``block_size`` are tokens; ``batch_size`` is
+    sequences per rank per step; ``num_anchors`` is blocks per sequence (upper bound);
+    ``lr`` is the peak learning rate.
+    """
+
+    target: str = _f(check=_nonempty, doc="HF causal LM directory (frozen)")
+    data: str = _f(check=_nonempty, doc=".npy token ids or .jsonl with text / messages")
+    output_dir: str = _f(check=_nonempty)
+    max_steps: int = _f(check=_ge(1))
+    draft_init: str | None = _f(None, doc="z-lab drafter directory to warm start from")
+    draft: DraftArchConfig | None = _f(None)
+    eval_data: str | None = _f(None)
+    seq_len: int = _f(512, check=_ge(2))
+    batch_size: int = _f(4, check=_ge(1))
+    num_anchors: int = _f(64, check=_ge(1))
+    block_size: int | None = _f(None, check=_ge(2), doc="None: the drafter's block size")
+    loss_decay_gamma: float | None = _f(None, check=_gt(0.0))
+    lr: float = _f(6e-4, check=_gt(0.0))
+    min_lr_ratio: float = _f(0.1, check=_in01)
+    weight_decay: float = _f(0.0, check=_ge(0.0))
+    betas: list[float] = _f(factory=lambda: [0.9, 0.95])
+    warmup_ratio: float | None = _f(None, check=_in01_open)
+    warmup_steps: int | None = _f(None, check=_ge(0))
+    grad_clip: float | None = _f(1.0, check=_gt(0.0))
+    seed: int = _f(0, check=_ge(0))
+    threads: int | None = _f(None, check=_ge(1))
+    allow_thread_change: bool = _f(False)
+    save_every: int = _f(100, check=_ge(1))
+    keep_checkpoints: int = _f(2, check=_ge(1))
+    eval_every: int = _f(0, check=_ge(0))
+    eval_windows: int = _f(32, check=_ge(1))
+    eval_stride: int = _f(4, check=_ge(1))
+    log_every: int = _f(1, check=_ge(1))
+    dtype: Literal["auto", "float32", "bfloat16"] = _f("auto")
+    device: str = _f("auto", check=_device)
+    export_dtype: Literal["float32", "bfloat16"] | None = _f(None)
+    resume: str = _f("auto", check=_nonempty, doc="'auto', 'never' or a checkpoint directory")
+    stop_at_step: int | None = _f(None, check=_ge(1))
+    progress: bool = _f(True)
+    tensorboard: bool = _f(True)
+    loss: LossConfig = _f(factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
+        if self.warmup_ratio is not None and self.warmup_steps is not None:
+            raise ConfigError("warmup_steps", "set warmup_ratio or warmup_steps, not both")
+        if self.draft_init is not None and self.draft is not None:
+            raise ConfigError("draft", "set draft_init (warm start) or draft (fresh init), not both")
+        if self.loss.exit.mode != "none":
+            raise NotImplementedError(
+                f"config key 'loss.exit.mode': {self.loss.exit.mode!r} is not implemented yet "
+                "(ExitTrain's tree term comes in a later release); use 'none'")
+        if self.draft is not None and self.draft.target_layer_ids is not None:
+            if not self.draft.target_layer_ids or any(i < 0 for i in self.draft.target_layer_ids):
+                raise ConfigError("draft.target_layer_ids",
+                                  f"must be a non-empty list of ints >= 0, got "
+                                  f"{self.draft.target_layer_ids!r}")
+        if self.resume not in ("auto", "never") and not os.path.isdir(self.resume):
+            raise ConfigError("resume", f"must be 'auto', 'never' or a checkpoint directory; "
+                                        f"{self.resume!r} is not a directory")
+
+    # -- derived values ---------------------------------------------------------------------
+    @property
+    def warmup(self) -> int:
+        """Warmup length in steps (``warmup_steps``, else ``round(warmup_ratio * max_steps)``,
+        default ratio 0.04 as SpecForge's DFlash recipe)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        ratio = 0.04 if self.warmup_ratio is None else self.warmup_ratio
+        return int(round(ratio * self.max_steps))
+
+
+# -- generic dataclass <- dict with validation ----------------------------------------------------
+
+def _key_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("key") or f.name
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Check ``value`` against type ``tp``; returns the (possibly converted) value."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(key, f"must be {_type_name(tp)}, got null")
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                if len([x for x in args if x is not type(None)]) == 1:
+                    raise
+        raise ConfigError(key, f"must be {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in args and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"must be one of {list(args)}, got {value!r}")
+    if origin is list:
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            raise ConfigError(key, f"must be a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and math.isfinite(value):
+            return int(value)  # 1e4 written in YAML
+        raise ConfigError(key, f"must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(key, f"must be a number, got {value!r}") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(key, f"must be a finite number, got {value!r}")
+            return float(value)
+        raise ConfigError(key, f"must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        raise ConfigError(key, f"must be a string, got {value!r}")
+    raise TypeError(f"unsupported schema type {tp!r} for {key}")  # a bug in the schema
+
+
+def _build(cls, data: Mapping[str, Any], prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        k = unknown[0]
+        raise ConfigError(f"{prefix}{k}", f"unknown key (known under {prefix.rstrip('.') or 'the top level'}: "
+                                          f"{', '.join(sorted(fields))})")
+    kwargs = {}
+    for k, f in fields.items():
+        key = f"{prefix}{k}"
+        if k not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(key, "is required")
+            continue
+        value = _coerce(data[k], hints[f.name], key)
+        check = f.metadata.get("check")
+        if check is not None and value is not None:
+            msg = check(value)
+            if msg:
+                raise ConfigError(key, msg)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def config_to_dict(cfg) -> dict[str, Any]:
+    """Plain nested dict of a config dataclass, with YAML key names (``loss.exit.lambda``)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[_key_of(f)] = config_to_dict(v) if dataclasses.is_dataclass(v) else \
+            (list(v) if isinstance(v, (list, tuple)) else v)
+    return out
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=null"]`` -> ``{"a": {"b": 1}, "c": None}`` (values parsed as YAML).
+
+    Raises :class:`ConfigError` for an item without ``=`` or with an empty key, or a value that
+    is not valid YAML.
+    """
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("", f"override {item!r} must be key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not key or any(not p for p in parts):
+            raise ConfigError(key, f"override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(key, f"value {raw!r} is not valid YAML ({e})") from None
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(".".join(parts[:i + 1]), "is set to a scalar and used as a mapping")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, upd: Mapping, prefix: str = "") -> dict:
+    out = dict(base)
+    for k, v in upd.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v, f"{prefix}{k}.")
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any] | TrainConfig | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] = ()) -> TrainConfig:
+    """Build a validated :class:`TrainConfig`.
+
+    Parameters
+    ----------
+    source : a YAML file path, a mapping, a ``TrainConfig`` (re-validated with the overrides), or
+        None (every required key then comes from ``overrides``).
+    overrides : ``["dotted.key=value", ...]`` or a nested mapping, merged over ``source``.
+
+    Raises :class:`ConfigError` (a ``ValueError``) naming the key; ``FileNotFoundError`` for a
+    missing config file; ``NotImplementedError`` naming ``loss.exit.mode`` when it is not ``none``.
+    """
+    if source is None:
+        data: dict = {}
+    elif isinstance(source, TrainConfig):
+        data = config_to_dict(source)
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"config: no file at {os.fspath(path)!r}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("", f"{path} is not valid YAML ({e})") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError("", f"{path} must hold a mapping, got {type(data).__name__}")
+    upd = parse_overrides(overrides) if not isinstance(overrides, Mapping) else overrides
+    return _build(TrainConfig, _merge(data, upd))

@@ -1,0 +1,189 @@
+"""The dense DFlash objective: training blocks, per-slot labels and weights, weighted CE.
+
+Source: SpecForge ``OnlineDFlashModel`` (``specforge/algorithms/common/dflash_family_model.py``,
+loss type ``dflash``) and DESIGN §6, re-derived here. For an anchor ``a`` of a sequence ``x``
+the block is ``[x_a, MASK x (K-1)]`` at positions ``a .. a+K-1``; the drafter sees the target
+features of ``x[0:a]`` (strictly before the anchor) and its own block bidirectionally; slot
+``k = 1..K-1`` predicts ``x_{a+k}`` through the target's LM head; slot 0 is never a label.
+
+    L_tok = Σ_{anchors, k} w_k · CE(logits_k, x_{a+k}) / Σ_{anchors, k} w_k,
+    w_k = exp(-(k-1)/γ)  (1 when γ is None),   summed over valid anchors only.
+
+Every loss term is a :class:`LossTerm` — a (numerator, denominator) pair of scalar sums over
+this rank's items — and :func:`combine_terms` divides each numerator by its denominator summed
+over all ranks (and accumulation steps), so the result is the global weighted mean whatever the
+sharding. ExitTrain's ``exit_loss`` (paper Eq. 14: numerator Σ_v w(v)·(-log q_{d(v)}(x_v)),
+denominator the number of non-root tree nodes, global) plugs in as one more term.
+
+Letters: b sequences, S tokens, n anchors per sequence, K block size, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LossTerm", "decay_weights", "block_inputs", "block_logits", "slot_ce", "token_loss",
+           "combine_terms", "depth_stats", "stats_to_metrics"]
+
+
+class LossTerm(NamedTuple):
+    """One loss term on one rank.
+
+    numerator : float32 scalar with grad, Σ_i w_i · ℓ_i over this rank's items.
+    denominator : float32 scalar without grad, Σ_i w_i (the normaliser), to be summed over ranks.
+    """
+
+    numerator: torch.Tensor
+    denominator: torch.Tensor
+
+
+def decay_weights(block_size: int, gamma: float | None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 ``[K-1]``: ``w_k = exp(-(k-1)/gamma)`` for slots ``k = 1..K-1`` (ones if gamma is None).
+
+    SpecForge ``loss_decay_gamma`` (its Qwen3 recipes use γ = 7). Raises ``ValueError`` for
+    ``block_size < 2`` or ``gamma <= 0``.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size: must be >= 2, got {block_size}")
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
+    if gamma is None:
+        return torch.ones_like(k)
+    if not gamma > 0:
+        raise ValueError(f"gamma: must be > 0 or None, got {gamma}")
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, positions and labels of the training blocks.
+
+    ids : int64 ``[b, S]``; anchors : int64 ``[b, n]``.
+    Returns ``block_ids int64 [b, n*K]`` (block i = ``[x_a, MASK x (K-1)]``),
+    ``positions int64 [b, n*K]`` (``a .. a+K-1``) and ``labels int64 [b, n, K-1]``
+    (``labels[.., k-1] = x_{a+k}``; indices past ``S-1`` are clamped — such slots belong to
+    invalid anchors and must carry weight 0).
+    """
+    b, S = ids.shape
+    n, K = anchors.shape[1], block_size
+    block_ids = torch.full((b, n, K), mask_token_id, dtype=torch.long, device=ids.device)
+    block_ids[:, :, 0] = ids.gather(1, anchors)
+    offs = torch.arange(K, device=ids.device)
+    positions = (anchors[..., None] + offs).reshape(b, n * K)
+    lab_idx = (anchors[..., None] + offs[1:]).clamp(max=S - 1)            # [b, n, K-1]
+    labels = ids.gather(1, lab_idx.reshape(b, -1)).reshape(b, n, K - 1)
+    return block_ids.reshape(b, n * K), positions, labels
+
+
+def block_logits(forward_train: Callable[..., torch.Tensor], embed: Callable, lm_head: Callable,
+                 features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
+                 keep: torch.Tensor, block_size: int,
+                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits of every training block (one masked full-sequence forward).
+
+    forward_train : ``DFlashDraftModel.forward_train`` (or a DDP-wrapped module with its
+        signature); embed / lm_head : the target's frozen embedding and LM head.
+    features : ``[b, S, n_ids*H]`` target context features (detached); ids : int64 ``[b, S]``;
+    anchors : int64 ``[b, n]``; keep : bool ``[b, n]`` (False blocks attend only to themselves).
+    Returns ``(logits float32 [b, n, K-1, V], labels int64 [b, n, K-1])``.
+    """
+    from ..draft.dflash import block_train_mask
+
+    b, S = ids.shape
+    n, K = anchors.shape[1], block_size
+    block_ids, positions, labels = block_inputs(ids, anchors, K, mask_token_id)
+    with torch.no_grad():
+        embeds = embed(block_ids)                                         # [b, n*K, H], frozen
+    mask = block_train_mask(anchors, S, K, keep)                          # [b, n*K, S + n*K]
+    hidden = forward_train(features, embeds, positions, mask)             # [b, n*K, H]
+    hidden = hidden.reshape(b, n, K, -1)[:, :, 1:]                        # slots 1..K-1
+    head_w = getattr(lm_head, "weight", None)
+    if isinstance(head_w, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
+        hidden = hidden.to(head_w.dtype)
+    return lm_head(hidden).float(), labels
+
+
+def slot_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-slot cross-entropy in nats, float32, shape of ``labels`` (logits ``[..., V]``)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
+                           reduction="none").view(labels.shape)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               ce: torch.Tensor | None = None) -> LossTerm:
+    """Weighted CE of the dense DFlash objective.
+
+    logits : float ``[..., V]``; labels : int64 ``[...]``; weights : float ``[...]`` (0 for
+    excluded slots, else ``w_k``); ce : optional precomputed :func:`slot_ce` (with grad).
+    Returns ``LossTerm(Σ w·CE, Σ w)``; CE in nats, computed in float32.
+    """
+    if ce is None:
+        ce = slot_ce(logits, labels)
+    w = weights.float()
+    return LossTerm((ce * w).sum(), w.sum().detach())
+
+
+def combine_terms(terms: Sequence[tuple[float, LossTerm]],
+                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  world_size: int = 1) -> tuple[torch.Tensor, list[float]]:
+    """``Σ_i λ_i · num_i / D_i`` with ``D_i`` = denominator i summed over ranks.
+
+    terms : ``[(λ_i, LossTerm_i), ...]``; all_reduce : sums a 1-D tensor over ranks in place
+    (None: single process). The returned loss is multiplied by ``world_size`` so that DDP's
+    gradient averaging yields the gradient of the global mean. A zero global denominator (no
+    valid item anywhere) gives that term 0. Returns ``(loss scalar, [D_i as floats])``.
+    """
+    dens = torch.stack([t.denominator.float() for _, t in terms])
+    if all_reduce is not None:
+        all_reduce(dens)
+    loss = terms[0][1].numerator.new_zeros(())
+    for (lam, t), d in zip(terms, dens):
+        if lam:
+            loss = loss + lam * t.numerator / d.clamp_min(1e-12)
+    return loss * world_size, dens.tolist()
+
+
+@torch.no_grad()
+def depth_stats(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
+                ce: torch.Tensor | None = None) -> torch.Tensor:
+    """Sums for per-depth metrics, float64 ``[3*(K-1) + 2]``, summable over batches and ranks.
+
+    Layout: ``[correct_1..K-1 | ce_1..K-1 | count_1..K-1 | n_anchors | Σ leading-correct]``
+    where correct = argmax hits, ce = Σ CE (nats) over valid anchors, and "leading-correct" is
+    the number of depths matched before the first miss (the accept length a chain would get if
+    the data were the target's greedy continuation). ``ce``: optional precomputed
+    :func:`slot_ce`. Turn into metrics with :func:`stats_to_metrics`.
+    """
+    Km1 = logits.shape[-2]
+    valid = keep[..., None].expand(*keep.shape, Km1)
+    hit = (logits.argmax(-1) == labels) & valid                          # [b, n, K-1]
+    ce = slot_ce(logits, labels) if ce is None else ce
+    ce = torch.where(valid, ce, torch.zeros_like(ce))
+    lead = hit.long().cumprod(-1).sum(-1)                                 # [b, n]
+    return torch.cat([hit.sum((0, 1)).double(), ce.sum((0, 1)).double(),
+                      valid.sum((0, 1)).double(), keep.sum().double()[None],
+                      lead[keep].sum().double()[None]])
+
+
+def stats_to_metrics(stats: torch.Tensor) -> dict:
+    """Metrics of :func:`depth_stats` sums: ``acc`` / ``ce`` per depth (lists, depth 1 first),
+    ``acc_mean``, ``ce_mean`` (mean over all (anchor, depth) slots), ``anchors``,
+    ``accept_len_data`` (mean leading-correct depths)."""
+    s = stats.double().tolist()
+    Km1 = (len(s) - 2) // 3
+    correct, ce, count = s[:Km1], s[Km1:2 * Km1], s[2 * Km1:3 * Km1]
+    anchors, lead = s[-2], s[-1]
+    total = sum(count)
+    return {
+        "anchors": int(anchors),
+        "acc": [c / n if n else math.nan for c, n in zip(correct, count)],
+        "ce": [c / n if n else math.nan for c, n in zip(ce, count)],
+        "acc_mean": sum(correct) / total if total else math.nan,
+        "ce_mean": sum(ce) / total if total else math.nan,
+        "accept_len_data": lead / anchors if anchors else math.nan,
+    }
+

@@ -1,0 +1,705 @@
+"""DFlash drafter training loop (DESIGN §6): frozen target, trainable drafter, exact resume.
+
+One step::
+
+    ids, loss_mask  = batch of step s (pure function of (seed, s), data.batch_indices)
+    features        = target(ids, output_hidden_states).hidden_states[id + 1] concat   (no grad)
+    anchors, keep   = sample_anchors(valid_anchor_positions(...), num_anchors, keys(seed, s))
+    logits, labels  = drafter.forward_train on [x_a, MASK x (K-1)] blocks -> target lm_head
+    loss            = Σ w_k CE / Σ w_k over valid slots (global over ranks; losses.py)
+    AdamW step (drafter parameters only), cosine schedule with warmup, grad clipping
+
+The target (embedding and LM head included) is frozen: ``requires_grad=False`` and never in the
+optimizer. Checkpoints (``output_dir/checkpoints/step_NNNNNNNN/``: ``draft/`` in the z-lab layout
+plus ``trainer_state.pt``) are written to a temporary directory and renamed into place; the
+newest one is resumed automatically and training continues bit-identically on CPU with the same
+thread count (stored in the checkpoint and checked). The final drafter is exported to
+``output_dir/final/`` (z-lab layout, :meth:`DFlashDraftModel.save_pretrained`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..draft.dflash import DFlashConfig, DFlashDraftModel, build_target_layer_ids, \
+    extract_context_features
+from .config import ConfigError, DraftArchConfig, TrainConfig, config_to_dict, load_config
+from .data import TokenDataset, anchor_keys, batch_indices, collate, load_dataset, \
+    sample_anchors, valid_anchor_positions
+from .losses import block_logits, combine_terms, decay_weights, depth_stats, slot_ce, \
+    stats_to_metrics, token_loss
+
+__all__ = ["train", "Trainer", "TrainResult", "evaluate", "load_target", "latest_checkpoint",
+           "CHECKPOINT_DIR", "STATE_NAME"]
+
+CHECKPOINT_DIR = "checkpoints"
+STATE_NAME = "trainer_state.pt"
+STATE_VERSION = 1
+# Config keys that do not change what is computed: excluded from the resume fingerprint.
+_RUN_CONTROL_KEYS = frozenset({
+    "output_dir", "resume", "save_every", "keep_checkpoints", "eval_every", "eval_data",
+    "eval_windows", "eval_stride", "log_every", "progress", "tensorboard", "threads",
+    "allow_thread_change", "export_dtype", "stop_at_step", "device",
+})
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", f"{name!r} requested but torch.cuda.is_available() is False")
+    return dev
+
+
+def load_target(path: str | os.PathLike, device: torch.device, dtype: torch.dtype):
+    """Frozen HF causal LM + its tokenizer (None when the directory has none).
+
+    Every parameter gets ``requires_grad=False``; the model is in eval mode. Raises
+    ``FileNotFoundError`` / ``ValueError`` naming ``target``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"target: no model directory at {os.fspath(path)!r}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"target: cannot load a causal LM from {os.fspath(path)!r}: {e}") from e
+    model.to(device).eval().requires_grad_(False)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tok = None
+    return model, tok
+
+
+def _target_text_config(target):
+    cfg = target.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _mask_token_id(cfg: TrainConfig, tokenizer) -> int:
+    if cfg.draft is not None and cfg.draft.mask_token_id is not None:
+        return cfg.draft.mask_token_id
+    mid = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+    if mid is None:
+        raise ConfigError("draft.mask_token_id", "is not set and the target's tokenizer has no "
+                                                 "mask token; set it explicitly")
+    return int(mid)
+
+
+def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDraftModel:
+    """The drafter to train, float32: warm-started from ``draft_init`` or freshly initialised.
+
+    Fresh init (``draft:``): Qwen3 dims of the target unless overridden; Linear weights
+    ~ N(0, init_std²) from a generator seeded by ``seed``, norms 1. Raises ``ValueError`` naming
+    the key when the drafter does not fit the target.
+    """
+    tcfg = _target_text_config(target)
+    if cfg.draft_init is not None:
+        if not os.path.isdir(cfg.draft_init):
+            raise FileNotFoundError(f"draft_init: no drafter directory at {cfg.draft_init!r}")
+        try:
+            draft = DFlashDraftModel.from_pretrained(cfg.draft_init, dtype=torch.float32)
+            draft.validate_against_target(tcfg)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError("draft_init", str(e)) from None
+        return draft
+    arch = cfg.draft or DraftArchConfig()
+    n_target = int(tcfg.num_hidden_layers)
+    ids = arch.target_layer_ids or build_target_layer_ids(n_target, arch.num_hidden_layers)
+    heads = arch.num_attention_heads or int(tcfg.num_attention_heads)
+    fields = {
+        "hidden_size": int(tcfg.hidden_size),
+        "intermediate_size": arch.intermediate_size or int(tcfg.intermediate_size),
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": arch.num_key_value_heads or int(getattr(tcfg, "num_key_value_heads", None) or heads),
+        "head_dim": arch.head_dim or int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
+        "num_target_layers": n_target,
+        "mask_token_id": _mask_token_id(cfg, tokenizer),
+        "target_layer_ids": tuple(ids),
+        "block_size": arch.block_size or cfg.block_size or 16,
+        "rms_norm_eps": float(getattr(tcfg, "rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta(tcfg),
+        "max_position_embeddings": int(getattr(tcfg, "max_position_embeddings", 32768)),
+        "vocab_size": int(tcfg.vocab_size),
+    }
+    try:
+        dcfg = DFlashConfig(**fields)
+        dcfg.validate_against_target(tcfg)
+    except ValueError as e:
+        raise ConfigError("draft", str(e)) from None
+    draft = DFlashDraftModel(dcfg)
+    g = torch.Generator().manual_seed(cfg.seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * arch.init_std)
+            else:
+                p.fill_(1.0)
+    return draft
+
+
+def _rope_theta(tcfg) -> float:
+    params = getattr(tcfg, "rope_parameters", None)
+    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(getattr(tcfg, "rope_theta", None) or 10000.0)
+
+
+def _separator_ids(target, tokenizer) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(_target_text_config(target), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checkpoint_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``output_dir/checkpoints``, ``[(step, path)]`` oldest first."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith("step_") and p.name[5:].isdigit() and (p / STATE_NAME).is_file() \
+                    and (p / "draft").is_dir():
+                out.append((int(p.name[5:]), p))
+    return sorted(out)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory, or None."""
+    dirs = checkpoint_dirs(output_dir)
+    return dirs[-1][1] if dirs else None
+
+
+def save_checkpoint(output_dir: str | os.PathLike, step: int, draft: DFlashDraftModel,
+                    state: dict, keep: int) -> Path:
+    """Write ``checkpoints/step_<step>/`` atomically and keep the newest ``keep`` checkpoints.
+
+    Everything goes to ``checkpoints/.tmp-step_<step>-<random>/`` first (drafter via
+    ``save_pretrained``, then ``trainer_state.pt``, fsynced) and one ``os.replace`` publishes it;
+    any failure removes the temporary directory and leaves the previous checkpoints untouched.
+    """
+    root = Path(output_dir) / CHECKPOINT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    old = None
+    try:
+        draft.save_pretrained(tmp / "draft")
+        with open(tmp / STATE_NAME, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # only when a run re-saves a step it already saved
+            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.replace(old, final)
+            old = None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for _, p in checkpoint_dirs(output_dir)[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def _clean_stale_tmp(output_dir: Path) -> None:
+    root = output_dir / CHECKPOINT_DIR
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(),
+          "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _fingerprint(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in config_to_dict(cfg).items() if k not in _RUN_CONTROL_KEYS}
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines past ``step`` (a killed run may have logged beyond its last checkpoint)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            import torch.distributed as dist
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
+def _init_distributed(device_name: str) -> _Dist:
+    """torchrun: WORLD_SIZE > 1 in the environment -> init the default process group
+    (nccl on CUDA, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist()
+    import torch.distributed as dist
+
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_initialized():
+        return _Dist(dist.get_rank(), dist.get_world_size(), local, False)
+    use_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return _Dist(rank, world, local, True)
+
+
+class _ForwardTrain(torch.nn.Module):
+    """``forward = DFlashDraftModel.forward_train`` so that DDP's hooks see the training forward."""
+
+    def __init__(self, draft: DFlashDraftModel) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, features, embeds, positions, mask):
+        return self.draft.forward_train(features, embeds, positions, mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(draft: DFlashDraftModel, target, data: TokenDataset, *, block_size: int | None = None,
+             stride: int = 4, max_windows: int | None = None, batch_size: int = 4,
+             sep_ids: Sequence[int] = (), device: torch.device | None = None,
+             autocast_dtype: torch.dtype | None = None) -> dict:
+    """Held-out per-depth top-1 accuracy and CE of a drafter against its target's data.
+
+    Deterministic anchors: every valid position ``a`` (rule of :mod:`.data`) with
+    ``(a - 1) % stride == 0``, in the first ``max_windows`` samples spread evenly over ``data``
+    (all when None). Returns :func:`~.losses.stats_to_metrics`: ``acc``/``ce`` lists for depths
+    1..K-1 (CE in nats), ``acc_mean``, ``ce_mean``, ``anchors``, ``accept_len_data``, plus
+    ``windows`` and ``tokens``.
+    """
+    K = block_size or draft.config.block_size
+    device = device or next(draft.parameters()).device
+    n = len(data)
+    idx = list(range(n)) if max_windows is None or max_windows >= n else \
+        [i * n // max_windows for i in range(max_windows)]
+    pad = sep_ids[0] if sep_ids else 0
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    decoder = target.get_decoder()
+    was_training = draft.training
+    draft.eval()
+    total = None
+    tokens = 0
+    amp = dict(device_type=device.type, dtype=autocast_dtype or torch.bfloat16,
+               enabled=autocast_dtype is not None)
+    for start in range(0, len(idx), batch_size):
+        ids, lmask = collate(data, idx[start:start + batch_size], pad)
+        ids, lmask = ids.to(device), lmask.to(device)
+        tokens += int(lmask.sum())
+        b, S = ids.shape
+        valid = valid_anchor_positions(ids, lmask, K, sep_ids)
+        anchors = torch.arange(1, max(S - K + 1, 1), stride, device=device)[None].expand(b, -1)
+        if anchors.shape[1] == 0:
+            continue
+        keep = valid.gather(1, anchors)
+        with torch.autocast(**amp):
+            hs = decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            feats = extract_context_features(hs, draft.config.target_layer_ids)
+            logits, labels = block_logits(draft.forward_train, embed, head, feats, ids, anchors,
+                                          keep, K, draft.config.mask_token_id)
+        st = depth_stats(logits, labels, keep)
+        total = st if total is None else total + st
+    draft.train(was_training)
+    if total is None:
+        raise ValueError(f"data: {data.source} has no valid anchor for block size {K}")
+    out = stats_to_metrics(total)
+    out.update(windows=len(idx), tokens=tokens)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Trainer
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+        output_dir: the run directory.
+        step: optimizer steps done.
+        complete: True when ``max_steps`` was reached (then ``final_dir`` holds the export).
+        final_dir: ``output_dir/final`` (z-lab layout) or None.
+        last_log: the last train-log record (None when no step ran in this call).
+        eval: the last evaluation (None without ``eval_data``).
+    """
+
+    output_dir: Path
+    step: int
+    complete: bool
+    final_dir: Path | None
+    last_log: dict | None
+    eval: dict | None
+
+
+def _lr_lambda(warmup: int, total: int, floor: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+    return f
+
+
+class Trainer:
+    """Holds models, data and optimizer of one run; :meth:`run` trains to the end (or
+    ``stop_at_step``). See the module docstring; ``train(cfg)`` is the usual entry point."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.threads = torch.get_num_threads()
+        self.dist = _init_distributed(cfg.device)
+        self.device = resolve_device(cfg.device, self.dist.local_rank)
+        self.out = Path(cfg.output_dir)
+        self.is_main = self.dist.rank == 0
+        use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        self.amp_dtype = torch.bfloat16 if use_bf16 else None
+        target_dtype = torch.bfloat16 if (use_bf16 and self.device.type == "cuda") else torch.float32
+        self.target, self.tokenizer = load_target(cfg.target, self.device, target_dtype)
+        self.embed = self.target.get_input_embeddings()
+        self.lm_head = self.target.get_output_embeddings()
+        self.decoder = self.target.get_decoder()
+        self.sep_ids = _separator_ids(self.target, self.tokenizer)
+        self.pad_id = self.sep_ids[0] if self.sep_ids else 0
+
+        self.resume_from = self._find_resume()
+        if self.resume_from is not None:
+            self.draft = DFlashDraftModel.from_pretrained(self.resume_from / "draft",
+                                                          dtype=torch.float32)
+            self.draft.validate_against_target(_target_text_config(self.target))
+        else:
+            self.draft = build_drafter(cfg, self.target, self.tokenizer)
+        self.draft.to(self.device).train()
+        self.block_size = cfg.block_size or self.draft.config.block_size
+        self.data = load_dataset(cfg.data, cfg.seq_len, self.tokenizer, key="data")
+        self.eval_data = None
+        if cfg.eval_data is not None:
+            self.eval_data = load_dataset(cfg.eval_data, cfg.seq_len, self.tokenizer, key="eval_data")
+        if cfg.seq_len < self.block_size + 1:
+            raise ConfigError("seq_len", f"must be >= block_size + 1 = {self.block_size + 1}")
+
+        decay, no_decay = [], []
+        for _, p in self.draft.named_parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=tuple(cfg.betas))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio))
+        frozen = {id(p) for p in self.target.parameters()}
+        assert not any(id(p) in frozen for g in self.optimizer.param_groups for p in g["params"])
+        self.step_module: torch.nn.Module = _ForwardTrain(self.draft)
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            self.step_module = DDP(self.step_module,
+                                   device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.decay = decay_weights(self.block_size, cfg.loss_decay_gamma, self.device)
+        self.step = 0
+        if self.resume_from is not None:
+            self._load_state(self.resume_from)
+        self._tb = None
+
+    # -- resume -------------------------------------------------------------------------------
+    def _find_resume(self) -> Path | None:
+        cfg = self.cfg
+        if cfg.resume == "never":
+            if checkpoint_dirs(self.out):
+                raise ConfigError("resume", f"'never' but {self.out / CHECKPOINT_DIR} holds "
+                                            "checkpoints; use another output_dir or resume=auto")
+            return None
+        if cfg.resume == "auto":
+            return latest_checkpoint(self.out)
+        p = Path(cfg.resume)
+        if not (p / STATE_NAME).is_file() or not (p / "draft").is_dir():
+            raise ConfigError("resume", f"{p} is not a checkpoint directory (needs {STATE_NAME} "
+                                        "and draft/)")
+        return p
+
+    def _load_state(self, path: Path) -> None:
+        st = torch.load(path / STATE_NAME, map_location="cpu", weights_only=False)
+        if st.get("version") != STATE_VERSION:
+            raise ValueError(f"resume: {path} has trainer state version {st.get('version')}, "
+                             f"expected {STATE_VERSION}")
+        mine = _fingerprint(self.cfg)
+        diff = sorted(k for k in set(mine) | set(st["fingerprint"])
+                      if mine.get(k) != st["fingerprint"].get(k))
+        if diff:
+            changes = ", ".join(f"{k}: {st['fingerprint'].get(k)!r} -> {mine.get(k)!r}" for k in diff)
+            raise ConfigError(diff[0], f"differs from the checkpoint {path} ({changes}); use "
+                                       "another output_dir to start a new run")
+        if st["threads"] != self.threads and not self.cfg.allow_thread_change:
+            raise ConfigError("threads", f"checkpoint {path} was written with {st['threads']} "
+                                         f"threads, this run uses {self.threads}: CPU float results "
+                                         "depend on it; set threads to match or "
+                                         "allow_thread_change=true")
+        if st["world_size"] != self.dist.world_size and self.is_main:
+            print(f"[sglang_tev.train] note: checkpoint world size {st['world_size']} != "
+                  f"{self.dist.world_size}: same data, last bits may differ", file=sys.stderr)
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        _set_rng_state(st["rng"])
+        self.step = int(st["step"])
+
+    def _state(self) -> dict:
+        return {"version": STATE_VERSION, "step": self.step,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(), "threads": self.threads, "world_size": self.dist.world_size,
+                "device": self.device.type, "fingerprint": _fingerprint(self.cfg),
+                "torch": torch.__version__}
+
+    # -- one step -----------------------------------------------------------------------------
+    def _features(self, ids: torch.Tensor) -> torch.Tensor:
+        hs = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        return extract_context_features(hs, self.draft.config.target_layer_ids).detach()
+
+    def train_step(self) -> dict:
+        """One optimizer step at ``self.step``; returns its log record (global over ranks)."""
+        cfg, dev, K = self.cfg, self.device, self.block_size
+        t0 = time.perf_counter()
+        idx = batch_indices(self.step, cfg.batch_size, len(self.data), cfg.seed,
+                            self.dist.rank, self.dist.world_size)
+        ids, lmask = collate(self.data, idx, self.pad_id)
+        ids, lmask = ids.to(dev), lmask.to(dev)
+        amp = dict(device_type=dev.type, dtype=self.amp_dtype or torch.bfloat16,
+                   enabled=self.amp_dtype is not None)
+        with torch.no_grad(), torch.autocast(**amp):
+            features = self._features(ids)
+        valid = valid_anchor_positions(ids, lmask, K, self.sep_ids)
+        keys = anchor_keys(cfg.seed, self.step, cfg.batch_size, cfg.seq_len, self.dist.rank)
+        anchors, keep = sample_anchors(valid, cfg.num_anchors, keys)
+        with torch.autocast(**amp):
+            logits, labels = block_logits(self.step_module, self.embed, self.lm_head, features,
+                                          ids, anchors, keep, K, self.draft.config.mask_token_id)
+        ce = slot_ce(logits, labels)                                   # [b, n, K-1]
+        term = token_loss(logits, labels, keep[..., None].float() * self.decay, ce=ce)
+        loss, (den,) = combine_terms([(cfg.loss.token_weight, term)], self.dist.all_reduce,
+                                     self.dist.world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        stats = torch.cat([depth_stats(logits.detach(), labels, keep, ce=ce.detach()),
+                           term.numerator.detach().double()[None]])
+        self.dist.all_reduce(stats)
+        m = stats_to_metrics(stats[:-1])
+        dt = time.perf_counter() - t0
+        return {"step": self.step, "loss": float(stats[-1]) / den if den else 0.0,
+                "acc": m["acc"], "lr": lr, "grad_norm": float(grad_norm),
+                "anchors": m["anchors"],
+                "tokens_per_s": round(ids.numel() * self.dist.world_size / dt, 1)}
+
+    # -- loop ---------------------------------------------------------------------------------
+    def _tensorboard(self):
+        if not (self.cfg.tensorboard and self.is_main):
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("[sglang_tev.train] note: tensorboard is not installed; logging to jsonl only",
+                  file=sys.stderr)
+            return None
+        return SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=self.step + 1)
+
+    def _save(self) -> None:
+        if self.is_main:
+            save_checkpoint(self.out, self.step, self.draft, self._state(), self.cfg.keep_checkpoints)
+
+    def run(self) -> TrainResult:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        stop = cfg.max_steps if cfg.stop_at_step is None else min(cfg.max_steps, cfg.stop_at_step)
+        log_path, eval_path = self.out / "train_log.jsonl", self.out / "eval_log.jsonl"
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            _clean_stale_tmp(self.out)
+            _truncate_log(log_path, self.step)
+            _truncate_log(eval_path, self.step)
+            import yaml
+            (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            if self.resume_from is not None:
+                print(f"[sglang_tev.train] resuming from {self.resume_from} at step {self.step}",
+                      file=sys.stderr)
+        tb = self._tensorboard()
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="draft", unit="step",
+                   file=sys.stderr, dynamic_ncols=True, disable=not (cfg.progress and self.is_main),
+                   mininterval=0.5 if sys.stderr.isatty() else 30)
+        last, last_eval = None, None
+        saved_at = self.step
+        try:
+            with open(log_path, "a") if self.is_main else open(os.devnull, "w") as log:
+                while self.step < stop:
+                    rec = self.train_step()
+                    last = rec
+                    bar.update(1)
+                    if self.is_main and (self.step % cfg.log_every == 0 or self.step == stop):
+                        log.write(json.dumps(rec) + "\n")
+                        log.flush()
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc'][0]:.3f}")
+                        if tb is not None:
+                            for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                                tb.add_scalar(f"train/{k}", rec[k], self.step)
+                            for d, a in enumerate(rec["acc"], 1):
+                                tb.add_scalar(f"train/acc_d{d}", a, self.step)
+                    if cfg.eval_every and self.eval_data is not None and self.is_main and \
+                            self.step % cfg.eval_every == 0:
+                        last_eval = self._evaluate()
+                        with open(eval_path, "a") as f:
+                            f.write(json.dumps({"step": self.step, **last_eval}) + "\n")
+                        if tb is not None:
+                            tb.add_scalar("eval/ce_mean", last_eval["ce_mean"], self.step)
+                            tb.add_scalar("eval/acc_mean", last_eval["acc_mean"], self.step)
+                            tb.add_scalar("eval/accept_len_data", last_eval["accept_len_data"], self.step)
+                    if self.step % cfg.save_every == 0 or self.step == stop:
+                        self._save()
+                        saved_at = self.step
+        finally:
+            bar.close()
+            if tb is not None:
+                tb.close()
+        if saved_at != self.step:
+            self._save()
+        complete = self.step >= cfg.max_steps
+        final_dir = None
+        if complete and self.is_main:
+            final_dir = self.out / "final"
+            export = self.draft
+            if cfg.export_dtype is not None and _DTYPES[cfg.export_dtype] != torch.float32:
+                import copy
+                export = copy.deepcopy(self.draft).to(_DTYPES[cfg.export_dtype])
+            export.save_pretrained(final_dir)
+            if self.eval_data is not None and last_eval is None:
+                last_eval = self._evaluate()
+            if last_eval is not None:
+                (self.out / "final_eval.json").write_text(
+                    json.dumps({"step": self.step, **last_eval}, indent=2) + "\n")
+        if self.dist.enabled:
+            import torch.distributed as dist
+            dist.barrier()
+        return TrainResult(self.out, self.step, complete, final_dir, last, last_eval)
+
+    def _evaluate(self) -> dict:
+        return evaluate(self.draft, self.target, self.eval_data, block_size=self.block_size,
+                        stride=self.cfg.eval_stride, max_windows=self.cfg.eval_windows,
+                        batch_size=self.cfg.batch_size, sep_ids=self.sep_ids, device=self.device,
+                        autocast_dtype=self.amp_dtype)
+
+    def close(self) -> None:
+        if self.dist.initialized_here:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+          overrides: Sequence[str] | Mapping[str, Any] = ()) -> TrainResult:
+    """Train a DFlash drafter (Python API of ``python -m sglang_tev.train``).
+
+    config : a :class:`TrainConfig`, a mapping, a YAML path or None; overrides : ``key=value``
+    strings or a nested mapping merged over it. Resumes from the newest checkpoint in
+    ``output_dir`` (``resume: auto``). Raises :class:`ConfigError` naming the key for invalid
+    settings (also a config that differs from the checkpoint being resumed, or another thread
+    count), ``FileNotFoundError`` / ``ValueError`` naming ``target`` / ``data`` / ``draft_init``
+    for unusable inputs, ``NotImplementedError`` for ``loss.exit.mode != none``.
+    """
+    cfg = load_config(config, overrides)
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
