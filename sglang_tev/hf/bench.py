@@ -1,0 +1,382 @@
+"""The engine of ``sglang-tev bench``: every method on one prompt set, in one run.
+
+For each temperature T (DESIGN §5): ``autoregressive`` once, ``chain`` once (the linear DFlash
+block, verified by TEV), and DDTree verified by ``tev`` / ``predraw`` / ``sequential`` for every
+budget B. Every configuration decodes every prompt with the same seed (``seed + prompt index``)
+through :meth:`SpeculativeGenerator.generate`.
+
+Files written to ``output_dir``:
+
+* ``results.json`` — one record per (method, budget, T), keys :data:`RECORD_KEYS`:
+  ``tau`` = total emitted tokens / total rounds over all prompts (DESIGN §3: mean(accept_len + 1),
+  a round cut by a stop or by max_new_tokens counts what it emitted); ``accept_len_mean`` and
+  ``coverage_mean`` (C_p, paper Eq. 6) are means over the same rounds; ``tokens_per_s`` = total
+  new tokens / total decode seconds (prefill excluded); ``speedup`` = tokens_per_s over the
+  autoregressive record at the same T (null without one); ``stage_ms`` = mean wall ms per round of
+  each stage in :data:`~sglang_tev.hf.runtime.STAGES`; ``budget`` is null for autoregressive and
+  chain; ``skipped_prompts`` = prompts too long for the model (prompt tokens + 1 > positions).
+* ``outputs.jsonl`` — one line per (configuration, prompt): the new token ids, text, finish reason,
+  tokens emitted per round.
+* ``meta.json`` — command line, machine, versions, device, dtype, date, settings.
+* ``tau_hist.png`` — tokens emitted per round, one panel per (method, budget), temperatures
+  overlaid; ``stage_ms.png`` — stacked mean stage ms per round, one panel per temperature.
+
+Timings include a CUDA synchronise per stage (the runtime's), so stage_ms adds up to the round.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..sampling import SamplingParams
+from .datasets import Prompt, encode_prompt
+from .runtime import GENERATION_METHODS, STAGES, SpeculativeGenerator
+
+__all__ = ["run_bench", "bench_configs", "format_table", "DEFAULT_METHODS", "RECORD_KEYS", "TREE_METHODS"]
+
+DEFAULT_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential")
+TREE_METHODS = ("tev", "predraw", "sequential", "greedy")  # DDTree + this verifier, one run per budget
+RECORD_KEYS = ("method", "budget", "temperature", "prompts", "new_tokens", "rounds", "tau",
+               "accept_len_mean", "coverage_mean", "tokens_per_s", "speedup", "stage_ms", "skipped_prompts")
+GREEDY_EPS = 1e-5
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_configs(methods: Sequence[str], budgets: Sequence[int], temperatures: Sequence[float]) -> list[tuple[str, int | None, float]]:
+    """(method, budget, temperature) in run order: per T, each method in ``methods`` order; tree
+    methods once per budget, autoregressive and chain once with budget None."""
+    out = []
+    for T in temperatures:
+        for m in methods:
+            if m in TREE_METHODS:
+                out.extend((m, b, T) for b in budgets)
+            else:
+                out.append((m, None, T))
+    return out
+
+
+def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed):
+    methods = list(dict.fromkeys(methods))
+    if not methods:
+        raise ValueError("methods must name at least one method")
+    bad = [m for m in methods if m not in GENERATION_METHODS]
+    if bad:
+        raise ValueError(f"methods: unknown {bad}; choose from {list(GENERATION_METHODS)}")
+    budgets = list(dict.fromkeys(budgets))
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
+        raise ValueError(f"budgets must be ints >= 0, got {budgets!r}")
+    if not budgets and any(m in TREE_METHODS for m in methods):
+        raise ValueError("budgets must hold at least one budget for the DDTree methods")
+    temperatures = list(dict.fromkeys(float(t) for t in temperatures))
+    if not temperatures or any(not (t >= 0) or math.isinf(t) for t in temperatures):
+        raise ValueError(f"temperatures must be finite numbers >= 0, got {temperatures!r}")
+    if "greedy" in methods and any(t >= GREEDY_EPS for t in temperatures):
+        raise ValueError("methods: 'greedy' is exact only at temperature 0; drop it or use temperatures 0")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if generator.drafter is None and any(m != "autoregressive" for m in methods):
+        raise ValueError("methods: speculative methods need a drafter; load one or use methods=['autoregressive']")
+    return methods, budgets, temperatures
+
+
+def _encode_all(generator, prompts, chat_template, log):
+    """-> [(index, id, token ids)] of the prompts that fit, number skipped."""
+    kept, skipped = [], 0
+    limit = generator.max_positions
+    for i, p in enumerate(prompts):
+        if isinstance(p, (Prompt, str)):
+            if generator.tokenizer is None:
+                raise ValueError("prompts: text prompts need a tokenizer; pass token ids instead")
+            ids = encode_prompt(p, generator.tokenizer, chat_template)
+            pid = p.id if isinstance(p, Prompt) else str(i)
+        else:
+            ids = [int(t) for t in p]
+            pid = str(i)
+        if not ids:
+            log(f"[sglang-tev] warning: skipping prompt {pid!r}: it has no tokens")
+            skipped += 1
+        elif len(ids) + 1 > limit:
+            log(f"[sglang-tev] warning: skipping prompt {pid!r}: {len(ids)} tokens + 1 > the model's "
+                f"{limit} positions")
+            skipped += 1
+        else:
+            kept.append((i, pid, ids))
+    return kept, skipped
+
+
+def _record(method, budget, T, runs, skipped) -> dict:
+    rounds = [r for res in runs for r in res.rounds]
+    n_rounds = max(1, len(rounds))
+    new_tokens = sum(len(res.token_ids) for res in runs)
+    decode_s = sum(res.decode_s for res in runs)
+    return {
+        "method": method,
+        "budget": budget,
+        "temperature": float(T),
+        "prompts": len(runs),
+        "new_tokens": new_tokens,
+        "rounds": len(rounds),
+        "tau": sum(r.emitted for r in rounds) / n_rounds,
+        "accept_len_mean": sum(r.accept_len for r in rounds) / n_rounds,
+        "coverage_mean": sum(r.coverage for r in rounds) / n_rounds,
+        "tokens_per_s": new_tokens / decode_s if decode_s > 0 else 0.0,
+        "speedup": None,
+        "stage_ms": {s: sum(r.stage_ms.get(s, 0.0) for r in rounds) / n_rounds for s in STAGES},
+        "skipped_prompts": skipped,
+    }
+
+
+def _add_speedups(records: list[dict]) -> None:
+    base = {r["temperature"]: r["tokens_per_s"] for r in records if r["method"] == "autoregressive"}
+    for r in records:
+        b = base.get(r["temperature"])
+        if r["method"] == "autoregressive":
+            r["speedup"] = 1.0
+        elif b:
+            r["speedup"] = r["tokens_per_s"] / b
+
+
+def _label(method: str, budget: int | None) -> str:
+    return method if budget is None else f"{method} B={budget}"
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """A plain-text table: method, budget, T, tau, accept_len, coverage, tok/s, speedup."""
+    head = ("method", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "speedup")
+    rows = [head]
+    for r in records:
+        rows.append((
+            r["method"], "-" if r["budget"] is None else str(r["budget"]), f"{r['temperature']:g}",
+            f"{r['tau']:.3f}", f"{r['accept_len_mean']:.3f}", f"{r['coverage_mean']:.3f}",
+            f"{r['tokens_per_s']:.1f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+def plot_tau_hist(records: Sequence[dict], emitted: dict, path: str | os.PathLike) -> None:
+    """Histogram of tokens emitted per round: one panel per (method, budget), one colour per T.
+
+    ``emitted[(method, budget, T)]`` is the list of per-round emitted counts.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    panels = list(dict.fromkeys((r["method"], r["budget"]) for r in records))
+    temps = list(dict.fromkeys(r["temperature"] for r in records))
+    tau = {(r["method"], r["budget"], r["temperature"]): r["tau"] for r in records}
+    top = max([max(v) for v in emitted.values() if v] + [1])
+    bins = [x - 0.5 for x in range(1, top + 2)]
+    ncols = min(4, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(3.6 * ncols, 2.8 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (m, b) in zip(axes.flat, panels):
+        for T in temps:
+            xs = emitted.get((m, b, T), [])
+            if xs:
+                ax.hist(xs, bins=bins, density=True, histtype="step", linewidth=1.5,
+                        label=f"T={T:g}, tau {tau[(m, b, T)]:.2f}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(_label(m, b), fontsize=10)
+        ax.set_xlabel("tokens emitted per round")
+        ax.set_ylabel("fraction of rounds")
+        ax.legend(fontsize=7)
+    fig.suptitle("Tokens emitted per round (accept_len + 1)")
+    fig.savefig(path, dpi=100)
+
+
+def plot_stage_ms(records: Sequence[dict], path: str | os.PathLike) -> None:
+    """Stacked bars of mean ms per round by stage, one bar per (method, budget), one panel per T."""
+    from matplotlib.figure import Figure
+
+    temps = list(dict.fromkeys(r["temperature"] for r in records))
+    fig = Figure(figsize=(max(6.0, 0.7 * len(records) / max(1, len(temps)) + 3), 3.6 * len(temps)),
+                 layout="constrained")
+    axes = fig.subplots(len(temps), 1, squeeze=False)[:, 0]
+    for ax, T in zip(axes, temps):
+        rs = [r for r in records if r["temperature"] == T]
+        x = list(range(len(rs)))
+        bottom = [0.0] * len(rs)
+        for s in STAGES:
+            h = [r["stage_ms"][s] for r in rs]
+            ax.bar(x, h, bottom=bottom, label=s)
+            bottom = [a + b for a, b in zip(bottom, h)]
+        ax.set_xticks(x, [_label(r["method"], r["budget"]) for r in rs], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("ms per round")
+        ax.set_title(f"Mean stage time per round, T={T:g}")
+        ax.legend(fontsize=7, ncols=len(STAGES))
+    fig.savefig(path, dpi=100)
+
+
+# ---------------------------------------------------------------------------------------------- meta
+
+def _machine() -> dict:
+    import torch
+
+    info = {"node": platform.node(), "platform": platform.platform(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _meta(generator, command, extra, settings) -> dict:
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    return {
+        "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "versions": {"sglang_tev": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "device": str(generator.device),
+        "dtype": str(generator.target.dtype).removeprefix("torch."),
+        "target": getattr(generator.config, "_name_or_path", None),
+        "max_positions": generator.max_positions,
+        "block_size": getattr(generator.drafter, "block_size", None),
+        **settings,
+        **(extra or {}),
+    }
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- main loop
+
+def run_bench(
+    generator: SpeculativeGenerator,
+    prompts: Sequence[Prompt | str | Sequence[int]],
+    budgets: Sequence[int] = (32, 64, 128),
+    temperatures: Sequence[float] = (0.0, 1.0),
+    max_new_tokens: int = 256,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    seed: int = 0,
+    output_dir: str | os.PathLike | None = None,
+    *,
+    chat_template: bool = True,
+    ignore_eos: bool = False,
+    warmup: bool = True,
+    progress: bool = True,
+    plots: bool = True,
+    command: str | None = None,
+    meta: dict | None = None,
+    log: Callable[[str], None] = _stderr,
+) -> list[dict]:
+    """Run every (method, budget, temperature) configuration over ``prompts``.
+
+    Args:
+        generator: a loaded :class:`SpeculativeGenerator` (with a drafter unless only
+            ``autoregressive`` is asked for).
+        prompts: :class:`~sglang_tev.hf.datasets.Prompt` / text (encoded with the tokenizer,
+            chat template per ``chat_template``) or token ids. Prompts with tokens + 1 > the model's
+            positions are skipped with a warning and counted in ``skipped_prompts``.
+        budgets: DDTree budgets B >= 0 (tree methods run once per budget).
+        temperatures: target temperatures >= 0 (below 1e-5: greedy).
+        max_new_tokens: per prompt, >= 1.
+        methods: a subset of :data:`~sglang_tev.hf.runtime.GENERATION_METHODS`.
+        seed: prompt i is decoded with seed ``seed + i`` by every configuration.
+        output_dir: where results.json, outputs.jsonl, meta.json and the plots go (created);
+            None writes nothing.
+        warmup: first run every method once on the first prompt (4 tokens, untimed) so one-time
+            costs do not land on the first configuration.
+        progress: a tqdm bar over (configuration x prompt) on stderr.
+        command: the command line recorded in meta.json.
+        meta: extra keys for meta.json.
+
+    Returns:
+        The records of results.json (keys :data:`RECORD_KEYS`), in run order (:func:`bench_configs`).
+        Per-prompt outputs are in ``output_dir/outputs.jsonl``.
+
+    Raises:
+        ValueError naming the argument: unknown method, budget < 0, temperature < 0,
+        max_new_tokens < 1, 'greedy' at a temperature > 0, a speculative method without a drafter,
+        or no prompt left after skipping.
+    """
+    from tqdm import tqdm
+
+    methods, budgets, temperatures = _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed)
+    kept, skipped = _encode_all(generator, prompts, chat_template, log)
+    if not kept:
+        raise ValueError(f"prompts: none of the {len(prompts)} prompts fits the model's {generator.max_positions} positions")
+    configs = bench_configs(methods, budgets, temperatures)
+    out_dir = None if output_dir is None else Path(output_dir)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        settings = {"budgets": budgets, "temperatures": temperatures, "max_new_tokens": max_new_tokens,
+                    "methods": methods, "seed": seed, "chat_template": chat_template, "ignore_eos": ignore_eos,
+                    "prompts": len(kept), "skipped_prompts": skipped}
+        _write_json(out_dir / "meta.json", _meta(generator, command, meta, settings))
+
+    def gen(method, budget, T, ids, s, n):
+        return generator.generate(
+            ids, method=method, budget=64 if budget is None else budget, sampling=SamplingParams(temperature=T),
+            seed=s, max_new_tokens=n, ignore_eos=ignore_eos, verifier="tev",
+        )
+
+    if warmup:
+        for m in methods:
+            b = budgets[0] if m in TREE_METHODS else None
+            gen(m, b, temperatures[0], kept[0][2], seed, min(4, max_new_tokens))
+
+    records: list[dict] = []
+    emitted: dict = {}
+    outputs_f = open(out_dir / "outputs.jsonl", "w", encoding="utf-8") if out_dir is not None else None
+    bar = tqdm(total=len(configs) * len(kept), desc="bench", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    try:
+        for method, budget, T in configs:
+            bar.set_postfix_str(f"{_label(method, budget)} T={T:g}")
+            runs = []
+            for i, pid, ids in kept:
+                res = gen(method, budget, T, ids, seed + i, max_new_tokens)
+                runs.append(res)
+                if outputs_f is not None:
+                    outputs_f.write(json.dumps({
+                        "method": method, "budget": budget, "temperature": T, "prompt_index": i,
+                        "prompt_id": pid, "prompt_tokens": len(ids), "new_token_ids": res.token_ids,
+                        "text": res.text, "finish_reason": res.finish_reason, "rounds": len(res.rounds),
+                        "emitted_per_round": [r.emitted for r in res.rounds],
+                        "accept_len_per_round": [r.accept_len for r in res.rounds],
+                        "decode_s": res.decode_s, "prefill_s": res.prefill_s,
+                    }) + "\n")
+                bar.update(1)
+            records.append(_record(method, budget, T, runs, skipped))
+            emitted[(method, budget, T)] = [r.emitted for res in runs for r in res.rounds]
+    finally:
+        bar.close()
+        if outputs_f is not None:
+            outputs_f.close()
+    _add_speedups(records)
+
+    if out_dir is not None:
+        _write_json(out_dir / "results.json", records)
+        if plots:
+            plot_tau_hist(records, emitted, out_dir / "tau_hist.png")
+            plot_stage_ms(records, out_dir / "stage_ms.png")
+    return records
