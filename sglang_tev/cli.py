@@ -1,7 +1,7 @@
 """The ``sglang-tev`` command line: ``generate`` and ``bench`` (DESIGN §5; user doc: docs/cli.md).
 
 ``sglang-tev generate PROMPT`` streams exactly the decoded new text to stdout (the prompt is not
-echoed; the final flush makes stdout equal ``tokenizer.decode(new_ids)``) and prints one summary
+echoed; the final flush makes stdout equal ``tokenizer.decode(new_ids, skip_special_tokens=True)``) and prints one summary
 line to stderr. ``sglang-tev bench`` runs every method over a prompt set and writes results.json,
 outputs.jsonl, meta.json and two plots (see :mod:`sglang_tev.hf.bench`).
 
@@ -296,7 +296,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(s)
         sys.stdout.flush()
 
-    streamer = TextStreamer(lambda ids: tok.decode(ids, skip_special_tokens=False), write,
+    streamer = TextStreamer(lambda ids: tok.decode(ids, skip_special_tokens=True), write,
                             hold_spaces=bool(getattr(tok, "clean_up_tokenization_spaces", False)))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     try:

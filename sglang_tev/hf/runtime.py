@@ -70,7 +70,8 @@ class GenerationResult:
 
     Attributes:
         token_ids: the new tokens (prompt excluded).
-        text: ``tokenizer.decode(token_ids)`` when a tokenizer is known, else None.
+        text: ``tokenizer.decode(token_ids, skip_special_tokens=True)`` (EOS and other special
+            tokens not shown, as HF and vLLM print them) when a tokenizer is known, else None.
         prompt_len: prompt tokens.
         finish_reason: ``"stop"`` (stop token or string), ``"length"`` (max_new_tokens) or
             ``"position_limit"`` (the model's max positions).
@@ -432,7 +433,7 @@ class SpeculativeGenerator:
                 break
         result.decode_s = time.perf_counter() - t_dec
         if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=False)
+            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
 
     def _commit_kv(self, path: torch.Tensor, n: int) -> None:
