@@ -10,11 +10,14 @@ Nothing can be downloaded, so the pair is trained here, seeded and reproducible,
   draft      DFlash drafter (2 layers, block size 16) trained by sglang_tev.train on the target's
              own features over the training split; resumes from the trainer's checkpoints in
              OUTDIR/draft_train/; ships bf16 in the z-lab layout; held-out per-depth accuracy/CE
+  bench      sglang-tev bench on HumanEval prompts (every method; budgets 32/64/128; T 0 and 1)
+  ship       (only when asked for) copy target/ and draft/ into sglang_tev/assets/tiny-code/
 
 Each stage writes OUTDIR/<stage>/ through a temp dir and one rename, so a stage directory either
 is complete or does not exist; a complete stage is skipped unless --force. Docs: docs/tiny-code.md.
 
-    python scripts/build_tiny_code.py --out runs/tiny-code --stages tokenizer,target --threads 2
+    python scripts/build_tiny_code.py --out runs/tiny-code --threads 2          # tokenizer,target,draft,bench
+    python scripts/build_tiny_code.py --out runs/tiny-code --stages ship        # into sglang_tev/assets
 """
 from __future__ import annotations
 
@@ -507,6 +510,106 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# stage 4: bench (sglang_tev.hf.bench on HumanEval) and stage 5: ship (package data)
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """The HumanEval measurement of the built pair (bf16 weights reloaded, computed in fp32)."""
+    limit: int = 40
+    budgets: tuple = (32, 64, 128)
+    temperatures: tuple = (0.0, 1.0)
+    max_new_tokens: int = 128
+
+
+FULL_BENCH = BenchConfig()
+QUICK_BENCH = BenchConfig(limit=2, budgets=(4,), temperatures=(0.0,), max_new_tokens=8)
+ASSETS = Path(__file__).resolve().parent.parent / "sglang_tev" / "assets" / "tiny-code"
+
+
+def bench_config_for(cfg: Config) -> BenchConfig:
+    same = dataclasses.replace(cfg, max_files=None) == dataclasses.replace(QUICK, max_files=None)
+    return QUICK_BENCH if same else FULL_BENCH
+
+
+def bench_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
+    fp = {**dataclasses.asdict(bench_config_for(cfg)), "seed": seed,
+          "draft_sha256": sha256_file(out / "draft" / "model.safetensors"),
+          "target_sha256": sha256_file(out / "target" / "model.safetensors")}
+    return json.loads(json.dumps(fp))  # tuples -> lists, as stage.json stores them
+
+
+def build_bench(args, cfg: Config, out: Path) -> dict | None:
+    """`sglang-tev bench --dataset humaneval` on the pair as shipped (bf16 files, loaded in fp32 on
+    CPU, bf16 on CUDA): every method, budget and temperature of BenchConfig."""
+    from sglang_tev.hf.bench import format_table, run_bench
+    from sglang_tev.hf.datasets import load_humaneval
+    from sglang_tev.hf.runtime import SpeculativeGenerator
+
+    if stage_record(out, "draft") is None:
+        raise SystemExit(f"error: argument --stages: 'bench' needs {out / 'draft'}; run the draft stage first")
+    bcfg = bench_config_for(cfg)
+    device = None if args.device == "auto" else args.device
+    gen = SpeculativeGenerator.from_pretrained(out / "target", out / "draft", device=device)
+    tmp = fresh_tmp(out, "bench")
+    cmd = (f"sglang-tev bench --target {out / 'target'} --draft {out / 'draft'} --dataset humaneval "
+           f"--limit {bcfg.limit} --budgets {','.join(map(str, bcfg.budgets))} "
+           f"--temperatures {','.join(map(str, bcfg.temperatures))} --max-new-tokens {bcfg.max_new_tokens} "
+           f"--seed {args.seed}")
+    records = run_bench(gen, load_humaneval(bcfg.limit), budgets=bcfg.budgets, temperatures=bcfg.temperatures,
+                        max_new_tokens=bcfg.max_new_tokens, seed=args.seed, output_dir=tmp, command=cmd)
+    print(format_table(records))
+    fingerprint = bench_fingerprint(cfg, args.seed, out)
+    tau = {f"{r['method']}{'' if r['budget'] is None else '@' + str(r['budget'])}_T{r['temperature']:g}": r["tau"]
+           for r in records}
+    summary = {"prompts": bcfg.limit, "max_new_tokens": bcfg.max_new_tokens, "tau": tau}
+    write_json(tmp / "stage.json", {"fingerprint": fingerprint, "summary": summary})
+    publish(tmp, out / "bench")
+    return summary
+
+
+def ship_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
+    return {"draft_sha256": sha256_file(out / "draft" / "model.safetensors"),
+            "target_sha256": sha256_file(out / "target" / "model.safetensors")}
+
+
+SHIP_FILES = {"target": ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                         "tokenizer_config.json", "special_tokens_map.json", "metrics.json"),
+              "draft": ("config.json", "model.safetensors", "metrics.json")}
+
+
+def build_ship(args, cfg: Config, out: Path) -> dict | None:
+    """Copy the pair into the package (sglang_tev/assets/tiny-code/{target,draft}) through a temp dir
+    and one rename, plus OUTDIR/ship/stage.json. A --quick build is never shipped."""
+    for need in ("target", "draft", "bench"):
+        if stage_record(out, need) is None:
+            raise SystemExit(f"error: argument --stages: 'ship' needs {out / need}; run the {need} stage first")
+    if bench_config_for(cfg) is QUICK_BENCH:
+        raise SystemExit("error: argument --quick: a quick build is not shipped")
+    staging = ASSETS.parent / ".tiny-code.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    total = 0
+    for part, names in SHIP_FILES.items():
+        (staging / part).mkdir(parents=True)
+        for name in names:
+            src = out / part / name
+            if src.exists():
+                shutil.copyfile(src, staging / part / name)
+                total += src.stat().st_size
+    shutil.copyfile(out / "bench" / "results.json", staging / "bench_results.json")
+    old = ASSETS.parent / ".tiny-code.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if ASSETS.exists():
+        ASSETS.rename(old)
+    staging.rename(ASSETS)
+    shutil.rmtree(old, ignore_errors=True)
+    summary = {"assets": str(ASSETS), "bytes": total}
+    tmp = fresh_tmp(out, "ship")
+    write_json(tmp / "stage.json", {"fingerprint": ship_fingerprint(cfg, args.seed, out), "summary": summary})
+    publish(tmp, out / "ship")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
 # stage registry: name -> (builder, fingerprint). A "bench" stage would slot in here; each builder
 # writes OUTDIR/<name>/ atomically and returns a summary dict.
 
@@ -514,6 +617,8 @@ STAGES = {
     "tokenizer": (build_tokenizer, lambda cfg, seed, out: tokenizer_fingerprint(cfg, seed)),
     "target": (build_target, target_fingerprint),
     "draft": (build_draft, draft_fingerprint),
+    "bench": (build_bench, bench_fingerprint),
+    "ship": (build_ship, ship_fingerprint),
 }
 
 
@@ -522,7 +627,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/tiny-code"), help="output dir (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, init and data order (default: 0)")
-    p.add_argument("--stages", default=",".join(STAGES),
+    p.add_argument("--stages", default="tokenizer,target,draft,bench",
                    help=f"comma-separated stages to run, in order (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny vocab, model and budget (tests, smoke runs)")
     p.add_argument("--force", action="store_true", help="rebuild the selected stages even when complete")

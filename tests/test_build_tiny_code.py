@@ -229,3 +229,23 @@ def test_draft_stage_bad_inputs(ref, tmp_path):
     with pytest.raises(SystemExit, match="--force"):  # leftovers of another config / target
         run(dst, "--stages", "draft")
     assert run(dst, "--stages", "draft", "--force")["draft"] is not None
+
+
+def test_bench_stage_measures_the_built_pair(ref):
+    out, summary = ref
+    records = json.loads((out / "bench" / "results.json").read_text())
+    methods = {(r["method"], r["budget"]) for r in records}
+    assert {("autoregressive", None), ("chain", None), ("tev", 4), ("predraw", 4), ("sequential", 4)} <= methods
+    assert all(r["tau"] >= 1.0 for r in records if r["rounds"])
+    assert set(summary["bench"]["tau"]) == {
+        f"{m}{'' if b is None else '@' + str(b)}_T0" for m, b in methods
+    }
+    assert (out / "bench" / "stage.json").exists() and (out / "bench" / "tau_hist.png").stat().st_size > 0
+
+
+def test_quick_build_is_never_shipped(ref, monkeypatch, tmp_path):
+    out, _ = ref
+    monkeypatch.setattr(btc, "ASSETS", tmp_path / "assets" / "tiny-code")
+    with pytest.raises(SystemExit, match="--quick"):
+        run(out, "--stages", "ship")
+    assert not (tmp_path / "assets").exists()
