@@ -577,6 +577,71 @@ SHIP_FILES = {"target": ("config.json", "generation_config.json", "model.safeten
               "draft": ("config.json", "model.safetensors", "metrics.json")}
 
 
+def model_card(out: Path) -> str:
+    """The shipped pair's README, filled from the stages' measurements."""
+    tok = stage_record(out, "tokenizer")["summary"]
+    tgt = json.loads((out / "target" / "metrics.json").read_text())
+    drf = json.loads((out / "draft" / "metrics.json").read_text())
+    records = json.loads((out / "bench" / "results.json").read_text())
+    meta = json.loads((out / "bench" / "meta.json").read_text())
+    acc = drf["heldout_acc"]
+    tc = json.loads((out / "target" / "config.json").read_text())
+    rows = "\n".join(
+        f"| {r['method']} | {'-' if r['budget'] is None else r['budget']} | {r['temperature']:g} | {r['tau']:.2f} | "
+        f"{r['accept_len_mean']:.2f} | {'-' if r['coverage_mean'] is None else format(r['coverage_mean'], '.2f')} | "
+        f"{r['tokens_per_s']:.1f} | {'-' if r['speedup'] is None else format(r['speedup'], '.2f')} |"
+        for r in records)
+    return f"""# tiny-code: a small code model pair for sglang-tev
+
+The default model pair of `sglang-tev generate` / `bench` when no `--target/--draft` is given:
+a Qwen3-architecture base code model and a DFlash drafter for it, trained from scratch by
+`scripts/build_tiny_code.py` on a 2-core CPU. It is small enough to ship in the package and to
+run anywhere, and genuinely trained, so speculative decoding accepts real drafts. It is not a
+useful code assistant: expect plausible-looking Python, not correct programs.
+
+## Data
+
+The Python standard library of CPython {sys.version.split()[0]} (`*.py`, test suites and
+generated tables excluded): {tok.get("files_train", "?")} training files, {tok.get("files_heldout", "?")} held-out files
+(by file, seeded). Licence of the data: PSF License Agreement (Python Software Foundation).
+
+## Models
+
+| part | architecture | parameters | file |
+|---|---|---|---|
+| tokenizer | byte-level BPE, {tok.get("vocab", "?")} tokens, `<|endoftext|>` (EOS), `<|mask|>` (DFlash mask) | - | `target/tokenizer.json` |
+| target | Qwen3ForCausalLM, hidden {tc["hidden_size"]}, {tc["num_hidden_layers"]} layers, {tc["num_attention_heads"]}/{tc["num_key_value_heads"]} heads, tied embeddings, {tc["max_position_embeddings"]} positions | {tgt.get("params", "?"):,} | `target/model.safetensors` (bf16) |
+| drafter | DFlash, {drf["layers"]} layers, block size {drf["block_size"]}, target layers {drf["target_layer_ids"]} | {drf["params"]:,} | `draft/model.safetensors` (bf16, z-lab layout) |
+
+## Measured
+
+- Target held-out loss {tgt.get("heldout_loss", float("nan")):.3f} nats/token, perplexity {tgt.get("heldout_ppl", float("nan")):.1f}
+  (bf16 weights computed in fp32).
+- Drafter held-out top-1 accuracy per depth 1..{len(acc)}: {", ".join(f"{a:.2f}" for a in acc)}
+  (mean CE {drf["heldout_ce_mean"]:.3f}).
+- `sglang-tev bench` on the first {meta.get("prompts")} HumanEval prompts (up to {meta.get("max_new_tokens", 128)} new tokens each),
+  the shipped bf16 files loaded in {meta.get("dtype")} on {meta.get("device")} ({meta["machine"].get("cpu_count")}-core
+  {meta["machine"].get("platform")}, {meta["machine"].get("torch_threads")} threads, torch {meta["versions"]["torch"]},
+  {meta.get("date", "")}).
+  tau = tokens emitted per round (accepted drafts + bonus); speed-up vs autoregressive through the same runtime:
+
+| method | budget | T | tau | accept len | coverage | tok/s | speed-up |
+|---|---|---|---|---|---|---|---|
+{rows}
+
+Command: `{meta.get("command", "")}`
+
+## Rebuild
+
+```bash
+python scripts/build_tiny_code.py --out runs/tiny-code --threads 2      # tokenizer, target, draft, bench
+python scripts/build_tiny_code.py --out runs/tiny-code --stages ship    # copy into sglang_tev/assets
+```
+
+Seeded and resumable; about 70 minutes on a 2-core CPU. See `docs/tiny-code.md`.
+"""
+
+
 def build_ship(args, cfg: Config, out: Path) -> dict | None:
     """Copy the pair into the package (sglang_tev/assets/tiny-code/{target,draft}) through a temp dir
     and one rename, plus OUTDIR/ship/stage.json. A --quick build is never shipped."""
@@ -596,6 +661,7 @@ def build_ship(args, cfg: Config, out: Path) -> dict | None:
                 shutil.copyfile(src, staging / part / name)
                 total += src.stat().st_size
     shutil.copyfile(out / "bench" / "results.json", staging / "bench_results.json")
+    (staging / "README.md").write_text(model_card(out))
     old = ASSETS.parent / ".tiny-code.old"
     shutil.rmtree(old, ignore_errors=True)
     if ASSETS.exists():

@@ -249,3 +249,10 @@ def test_quick_build_is_never_shipped(ref, monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="--quick"):
         run(out, "--stages", "ship")
     assert not (tmp_path / "assets").exists()
+
+
+def test_model_card_is_filled_from_the_measurements(ref):
+    out, summary = ref
+    card = btc.model_card(out)
+    assert "| tev | 4 | 0 |" in card and "PSF" in card
+    assert f"{summary['target']['params']:,}" in card
