@@ -694,7 +694,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     p.add_argument("--out", type=Path, default=Path("runs/tiny-code"), help="output dir (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, init and data order (default: 0)")
     p.add_argument("--stages", default="tokenizer,target,draft,bench",
-                   help=f"comma-separated stages to run, in order (default: %(default)s)")
+                   help="comma-separated stages to run, in order (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny vocab, model and budget (tests, smoke runs)")
     p.add_argument("--force", action="store_true", help="rebuild the selected stages even when complete")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")

@@ -10,7 +10,6 @@ import json
 from collections import defaultdict
 
 import pytest
-import torch
 
 from sglang_tev.cli import main
 from sglang_tev.hf.bench import bench_configs, run_bench
@@ -25,15 +24,6 @@ KEYS = {"method": str, "budget": (int, type(None)), "temperature": float, "promp
         "speedup": (float, type(None)), "stage_ms": dict, "skipped_prompts": int}
 STAGES = {"draft", "build", "tree_forward", "verify", "commit"}
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one thread is ~100x faster than two when the other core is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

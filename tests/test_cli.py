@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from sglang_tev import SamplingParams, cli
 from sglang_tev.cli import TextStreamer, default_model_paths, main
@@ -22,15 +21,6 @@ PROMPT = "def wrap(text, width):\n"
 SUMMARY = re.compile(
     r"^\[sglang-tev\] (\d+) tokens, (\d+) rounds, tau (\d+\.\d\d), (\d+\.\d) tok/s, finish=(\w+), method=(\w+)(, .*)?$",
     re.M)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one thread is ~100x faster than two when the other core is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

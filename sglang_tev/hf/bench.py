@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
