@@ -43,6 +43,14 @@ DIMS = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_di
 RTOL, ATOL = 1e-4, 1e-5
 
 
+def crop_hf_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of an HF cache (transformers >= 5.20 only accepts a
+    negative count to remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
 def _randomize(module: torch.nn.Module, seed: int, std: float = 0.15) -> torch.nn.Module:
     """Seeded weights large enough that every projection matters (HF init is std 0.02)."""
     g = torch.Generator().manual_seed(seed)
@@ -145,7 +153,7 @@ def test_draft_logits_match_reference_with_incremental_cache(tmp_path):
             h = ref(target_hidden=ctx, noise_embedding=embed(block), position_ids=pos,
                     past_key_values=ref_cache, use_cache=True)
             expected = head(h[:, 1:]).float()
-            ref_cache.crop(start)
+            crop_hf_cache(ref_cache, start)
             got = ours.draft_logits(embed, head, root, start, ctx, cache)
             assert got.shape == (2, K - 1, V) and got.dtype == torch.float32
             torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
@@ -191,7 +199,7 @@ def _chain_generate_greedy(model, target, input_ids, max_new_tokens):
         produced = min(acc + 1, max_length - start - 1)
         accepts.append(acc)
         start += produced
-        tcache.crop(start)
+        crop_hf_cache(tcache, start)
         ctx = model.extract_context_features(out.hidden_states)[:, :produced]
         assert dcache.length == start - produced  # context only, up to the old root
     return tokens[:min(start + 1, max_length)], rounds, accepts

@@ -301,3 +301,17 @@ def test_from_pretrained_roundtrip_bf16(target, tmp_path):
     gen32 = SpeculativeGenerator.from_pretrained(tmp_path / "t", tmp_path / "d")
     res32 = gen32.generate(PROMPTS[0], method="tev", budget=8, max_new_tokens=40, ignore_eos=True)
     assert res32.token_ids == plain_greedy(target, PROMPTS[0], 40)
+
+
+def test_budget_cap_and_no_cache_rename_warning(target):
+    import warnings as _w
+
+    from sglang_tev.hf.runtime import MAX_BUDGET
+
+    gen = SpeculativeGenerator(target, OracleDrafter(target, V, block_size=4))
+    with pytest.raises(ValueError, match=f"budget must be <= {MAX_BUDGET}"):
+        gen.generate([1, 2, 3], budget=MAX_BUDGET + 1)
+    with _w.catch_warnings(record=True) as caught:
+        _w.simplefilter("always")
+        gen.generate([1, 2, 3], budget=4, max_new_tokens=4, ignore_eos=True)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]

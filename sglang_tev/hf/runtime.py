@@ -20,9 +20,11 @@ The KV cache is a transformers ``DynamicCache`` on every device.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,7 +36,7 @@ from ..tree import DraftTree, tree_attention_mask
 from ..verify import METHODS as VERIFIERS
 from ..verify import verify_tree
 
-__all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "GENERATION_METHODS", "STAGES"]
+__all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "GENERATION_METHODS", "STAGES", "MAX_BUDGET"]
 
 GENERATION_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential", "greedy")
 """``autoregressive``: plain decoding (a root-only tree per step); ``chain``: the linear DFlash
@@ -42,6 +44,10 @@ block (per-depth argmax, parents[i] = i - 1) checked by ``verifier``; the rest: 
 that method."""
 
 STAGES = ("draft", "build", "tree_forward", "verify", "commit")
+
+MAX_BUDGET = 1024
+"""Largest DDTree budget the runtime accepts (the largest the DDTree reference benchmarks): the
+builder's memory grows as budget x min(budget, V)."""
 
 
 @dataclass
@@ -109,6 +115,19 @@ class GenerationResult:
     def stage_ms(self) -> dict[str, float]:
         """Total milliseconds per stage over all rounds."""
         return {s: sum(r.stage_ms.get(s, 0.0) for r in self.rounds) for s in STAGES}
+
+
+def _quiet_cache_rename(fn):
+    """transformers >= 5.2x renames ``past_key_values``; the old name still works, and its
+    FutureWarning on every forward would break the CLI's one-line stderr contract."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*", category=FutureWarning)
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _path_error(name: str, path) -> None:
@@ -242,6 +261,7 @@ class SpeculativeGenerator:
         return stops
 
     # ------------------------------------------------------------------ generation
+    @_quiet_cache_rename
     @torch.inference_mode()
     def generate(
         self,
@@ -295,6 +315,8 @@ class SpeculativeGenerator:
             raise ValueError(f"verifier must be one of {VERIFIERS}, got {verifier!r}")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ValueError(f"budget must be an int >= 0, got {budget!r}")
+        if budget > MAX_BUDGET:
+            raise ValueError(f"budget must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) candidates), got {budget}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         sampling.validate(1)
