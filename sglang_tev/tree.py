@@ -124,9 +124,7 @@ class DraftTree:
         par[:, 0] = 0  # the root points at itself for pointer jumping
 
         # depth by pointer jumping: log2(N) rounds, no host sync
-        depth = (idx > 0).to(torch.int64).expand(b, n).clone()
-        depth = torch.where(valid, depth, torch.ones_like(depth))
-        depth[:, 0] = 0
+        depth = (idx > 0).to(torch.int64).expand(b, n).clone()  # one hop to the parent; root 0
         ptr = par.clone()
         steps = max(1, (n - 1).bit_length())
         for _ in range(steps):
@@ -140,6 +138,7 @@ class DraftTree:
         anc = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
         cur = idx.expand(b, n).clone()
         anc.scatter_(2, cur.unsqueeze(-1), True)
+        # at least one step, so padded nodes (parent 0) mark the root even in a root-only batch
         for _ in range(max(max_depth, 1 if n > 1 else 0)):
             cur = torch.gather(par, 1, cur)
             anc.scatter_(2, cur.unsqueeze(-1), True)

@@ -21,7 +21,6 @@ The KV cache is a transformers ``DynamicCache`` on every device.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 import warnings
@@ -489,7 +488,3 @@ class SpeculativeGenerator:
                 if any(s in text[tail_from:] for s in stop_strings):
                     return block[: i + 1], "stop"
         return block, reason
-
-
-def mean_or_nan(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
