@@ -182,6 +182,29 @@ def test_stop_strings_cut_inside_a_block(target):
     assert res.token_ids == ref[:end] and res.text.endswith(stop) and res.finish_reason == "stop"
 
 
+def test_stop_string_check_decodes_a_bounded_window(target):
+    """The per-token stop-string check decodes O(len(stop)) tokens, not the whole output, and
+    still finds a stop string completed late in a long output."""
+    prompt = PROMPTS[2]
+    ref = plain_greedy(target, prompt, 160)
+    text = CharTokenizer().decode(ref)
+    stop = text[140:145]
+    end = text.index(stop) + len(stop)
+    lengths = []
+
+    class Counting(CharTokenizer):
+        def decode(self, ids, skip_special_tokens=False):
+            lengths.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    gen = SpeculativeGenerator(target, OracleDrafter(target, V, accuracy=1.0, block_size=8), tokenizer=Counting())
+    lengths.clear()
+    res = gen.generate(prompt, method="tev", budget=8, max_new_tokens=160, stop_strings=[stop], ignore_eos=True)
+    assert res.token_ids == ref[:end] and res.finish_reason == "stop"
+    checks = lengths[:-1]  # the last decode is the final text
+    assert checks and max(checks) <= 4 * len(stop) + 8
+
+
 def test_position_limit_caps_depth():
     tgt = qwen3(5, max_pos=40)
     gen = SpeculativeGenerator(tgt, OracleDrafter(tgt, V, accuracy=1.0, block_size=8))

@@ -482,9 +482,15 @@ class SpeculativeGenerator:
         if stop_strings:
             base = len(so_far)
             full = so_far + block
+            # Decode only a window of recent tokens: an occurrence completed by token i ends in
+            # it, and a character spans at most 4 byte-level tokens, so 4 * len + 8 tokens cover
+            # it with room at the left edge (where a partial character or a tokenizer's stripped
+            # leading space may differ from the full decode). Earlier occurrences would have
+            # stopped earlier rounds. Cost per token: O(longest stop string), not O(output).
+            window = 4 * max(len(s) for s in stop_strings) + 8
             for i in range(len(block)):
-                text = self.tokenizer.decode(full[: base + i + 1], skip_special_tokens=False)
-                tail_from = max(0, len(text) - max(len(s) for s in stop_strings) - 64)
-                if any(s in text[tail_from:] for s in stop_strings):
+                end = base + i + 1
+                text = self.tokenizer.decode(full[max(0, end - window): end], skip_special_tokens=False)
+                if any(s in text for s in stop_strings):
                     return block[: i + 1], "stop"
         return block, reason
