@@ -24,7 +24,7 @@ from sglang_tev.train import ConfigError, Trainer, evaluate, latest_checkpoint, 
 from sglang_tev.train.__main__ import main as cli_main
 from sglang_tev.train.data import (anchor_keys, batch_indices, collate, load_dataset,
                                    sample_anchors, valid_anchor_positions)
-from sglang_tev.train.losses import block_logits, decay_weights, token_loss
+from sglang_tev.train.losses import block_logits, decay_weights, distill_loss, token_loss
 
 V, H, LAYERS, EOS, MASK = 128, 32, 3, 0, 1
 REPO = Path(__file__).resolve().parents[1]
@@ -182,7 +182,70 @@ def test_block_logits_labels_weights_hand_computed():
     assert float(term.numerator / term.denominator) == pytest.approx(num / den, rel=1e-6)
 
 
-def test_loss_sees_context_strictly_before_the_anchor():
+def test_distill_loss_hand_computed():
+    """Σ_slots w · (-Σ_v p_target(v) log q_draft(v)) / Σ w, computed by hand in float64; equal to
+    KL(p || q) + H(p), so it is minimal (= H(p)) exactly when the draft matches the target."""
+    g = torch.Generator().manual_seed(3)
+    logits, tlogits = torch.randn(2, 3, 4, 7, generator=g), torch.randn(2, 3, 4, 7, generator=g)
+    w = torch.rand(2, 3, 4, generator=g)
+    w[1, 2] = 0.0
+    term = distill_loss(logits, tlogits, w)
+    num = 0.0
+    for idx in np.ndindex(2, 3, 4):
+        p = [math.exp(v) for v in tlogits[idx].double().tolist()]
+        p = [x / sum(p) for x in p]
+        row = logits[idx].double().tolist()
+        lse = math.log(sum(math.exp(v) for v in row))
+        num += float(w[idx]) * -sum(pi * (v - lse) for pi, v in zip(p, row))
+    assert float(term.numerator) == pytest.approx(num, rel=1e-5)
+    assert float(term.denominator) == pytest.approx(float(w.sum()), rel=1e-6)
+    same = distill_loss(tlogits, tlogits, w)
+    ent = -(tlogits.softmax(-1) * tlogits.log_softmax(-1)).sum(-1)
+    assert float(same.numerator) == pytest.approx(float((ent * w).sum()), rel=1e-5)
+    assert float(term.numerator) > float(same.numerator)
+
+
+def test_distill_target_logits_are_the_label_positions(tiny):
+    """The target distribution used for slot k of the block anchored at a is the target's
+    prediction at position a + k - 1 (the one whose data label is x_{a+k})."""
+    tr = Trainer(load_config(base_cfg(tiny, "kdpos", max_steps=1, save_every=100,
+                                      loss={"distill_weight": 1.0})))
+    ids = torch.from_numpy(np.load(tiny / "train.npy")[:32].astype(np.int64))[None]
+    with torch.no_grad():
+        _, last = tr._features(ids)
+        full = tr.target(input_ids=ids).logits
+        anchors = torch.tensor([[1, 5, 28]])
+        got = tr._target_logits(last, anchors)
+    K = tr.block_size
+    assert got.shape == (1, 3, K - 1, V)
+    for i, a in enumerate([1, 5]):
+        for k in range(1, K):
+            torch.testing.assert_close(got[0, i, k - 1], full[0, a + k - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_distill_only_training_learns_the_target(tiny):
+    """token_weight 0, distill_weight 1: six steps lower the distillation loss (the soft-target
+    CE against the target) on a fixed held batch."""
+    cfg = base_cfg(tiny, "kd_a", max_steps=6, save_every=100,
+                   loss={"token_weight": 0.0, "distill_weight": 1.0})
+    tr = Trainer(load_config(cfg))
+    ids = torch.from_numpy(np.load(tiny / "train.npy")[:32].astype(np.int64))[None]
+    anchors, keep = torch.tensor([[2, 9, 17]]), torch.ones(1, 3, dtype=torch.bool)
+
+    def kd_now():
+        with torch.no_grad():
+            feats, last = tr._features(ids)
+            lg, lab = block_logits(tr.draft.forward_train, tr.embed, tr.lm_head, feats, ids,
+                                   anchors, keep, tr.block_size, MASK)
+            t = distill_loss(lg, tr._target_logits(last, anchors), torch.ones_like(lab, dtype=torch.float))
+        return float(t.numerator / t.denominator)
+
+    before = kd_now()
+    tr.run()
+    assert kd_now() < before
+
+
+
     cfg = DFlashConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                        num_target_layers=LAYERS, mask_token_id=MASK, target_layer_ids=(0, 2),

@@ -101,7 +101,10 @@ class ExitLossConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    token_weight: float = _f(1.0, check=_ge(0.0))
+    token_weight: float = _f(1.0, check=_ge(0.0), doc="weight of the CE on the data tokens")
+    distill_weight: float = _f(0.0, check=_ge(0.0),
+                               doc="weight of the soft-target CE against the frozen target's own "
+                                   "next-token distribution at each label position")
     exit: ExitLossConfig = _f(factory=ExitLossConfig)
 
 

@@ -127,6 +127,24 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     return LossTerm((ce * w).sum(), w.sum().detach())
 
 
+def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor,
+                 weights: torch.Tensor) -> LossTerm:
+    """Weighted soft-target CE against the target's next-token distribution (distillation).
+
+    logits : draft logits ``[..., V]``; target_logits : the target's logits predicting the
+    same tokens (teacher-forced on the same prefix), ``[..., V]``, no grad; weights : float
+    ``[...]`` as in :func:`token_loss`. Per slot ``-Σ_v p_target(v) log q_draft(v)`` in nats
+    (= KL(p_target || q_draft) + H(p_target)), float32. Returns ``LossTerm(Σ w·CE, Σ w)``.
+    The T = 0 acceptance of a draft token is "it is the target's argmax", so matching the
+    target's distribution rather than the data's noisier one-hot labels is what acceptance rewards.
+    """
+    logq = F.log_softmax(logits.float(), dim=-1)
+    p = F.softmax(target_logits.detach().float(), dim=-1)
+    ce = -(p * logq).sum(-1)
+    w = weights.float()
+    return LossTerm((ce * w).sum(), w.sum().detach())
+
+
 def combine_terms(terms: Sequence[tuple[float, LossTerm]],
                   all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   world_size: int = 1) -> tuple[torch.Tensor, list[float]]:

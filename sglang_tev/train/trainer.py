@@ -39,8 +39,8 @@ from ..draft.dflash import DFlashConfig, DFlashDraftModel, build_target_layer_id
 from .config import ConfigError, DraftArchConfig, TrainConfig, config_to_dict, load_config
 from .data import TokenDataset, anchor_keys, batch_indices, collate, load_dataset, \
     sample_anchors, valid_anchor_positions
-from .losses import block_logits, combine_terms, decay_weights, depth_stats, slot_ce, \
-    stats_to_metrics, token_loss
+from .losses import block_logits, combine_terms, decay_weights, depth_stats, distill_loss, \
+    slot_ce, stats_to_metrics, token_loss
 
 __all__ = ["train", "Trainer", "TrainResult", "evaluate", "load_target", "latest_checkpoint",
            "CHECKPOINT_DIR", "STATE_NAME"]
@@ -540,9 +540,20 @@ class Trainer:
                 "torch": torch.__version__}
 
     # -- one step -----------------------------------------------------------------------------
-    def _features(self, ids: torch.Tensor) -> torch.Tensor:
-        hs = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-        return extract_context_features(hs, self.draft.config.target_layer_ids).detach()
+    def _features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context features ``[b, S, n*H]``, final-normed last hidden state ``[b, S, H]``)."""
+        out = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
+        feats = extract_context_features(out.hidden_states, self.draft.config.target_layer_ids)
+        return feats.detach(), out.last_hidden_state.detach()
+
+    def _target_logits(self, last_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The target's logits for the label of slot k of each block: position ``a + k - 1``
+        (teacher-forced), ``[b, n, K-1, V]``. Positions past the sequence are clamped; their
+        blocks have ``keep = False`` and weight 0."""
+        b, S, H = last_hidden.shape
+        pos = (anchors[..., None] + torch.arange(self.block_size - 1, device=anchors.device)).clamp_max(S - 1)
+        h = last_hidden.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, H))
+        return self.lm_head(h).reshape(*pos.shape, -1)
 
     def train_step(self) -> dict:
         """One optimizer step at ``self.step``; returns its log record (global over ranks)."""
@@ -555,7 +566,7 @@ class Trainer:
         amp = dict(device_type=dev.type, dtype=self.amp_dtype or torch.bfloat16,
                    enabled=self.amp_dtype is not None)
         with torch.no_grad(), torch.autocast(**amp):
-            features = self._features(ids)
+            features, last_hidden = self._features(ids)
         valid = valid_anchor_positions(ids, lmask, K, self.sep_ids)
         keys = anchor_keys(cfg.seed, self.step, cfg.batch_size, cfg.seq_len, self.dist.rank)
         anchors, keep = sample_anchors(valid, cfg.num_anchors, keys)
@@ -563,9 +574,14 @@ class Trainer:
             logits, labels = block_logits(self.step_module, self.embed, self.lm_head, features,
                                           ids, anchors, keep, K, self.draft.config.mask_token_id)
         ce = slot_ce(logits, labels)                                   # [b, n, K-1]
-        term = token_loss(logits, labels, keep[..., None].float() * self.decay, ce=ce)
-        loss, (den,) = combine_terms([(cfg.loss.token_weight, term)], self.dist.all_reduce,
-                                     self.dist.world_size)
+        weights = keep[..., None].float() * self.decay
+        term = token_loss(logits, labels, weights, ce=ce)
+        terms = [(cfg.loss.token_weight, term)]
+        if cfg.loss.distill_weight:
+            with torch.no_grad(), torch.autocast(**amp):
+                target_logits = self._target_logits(last_hidden, anchors)
+            terms.append((cfg.loss.distill_weight, distill_loss(logits, target_logits, weights)))
+        loss, (den, *_) = combine_terms(terms, self.dist.all_reduce, self.dist.world_size)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
