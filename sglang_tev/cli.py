@@ -14,6 +14,7 @@ import argparse
 import math
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="compare autoregressive, chain and DDTree verifiers on a prompt set",
                        description="Benchmark every method on one prompt set in one run; writes results.json, "
-                       "outputs.jsonl, meta.json, tau_hist.png and stage_ms.png to --output.")
+                       "outputs.jsonl, meta.json, tau_hist.png and stage_ms.png to --output (default: bench-results/<date-time>).")
     _add_model_args(b)
     b.add_argument("--dataset", required=True, help="'humaneval' or a .jsonl file (one 'prompt' or 'messages' per line)")
     b.add_argument("--limit", type=int, help="use the first N prompts")
@@ -134,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all but greedy)")
     b.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i (default 0)")
     b.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    b.add_argument("--output", required=True, metavar="DIR", help="output directory (created)")
+    b.add_argument("--output", metavar="DIR",
+                   help="output directory, created (default: bench-results/<UTC date-time> under the current directory)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -337,7 +339,8 @@ def cmd_bench(args, argv: list[str]) -> int:
     bad = [m for m in args.methods if m not in METHODS]
     if bad or not args.methods:
         raise UsageError("--methods", f"unknown {bad}; choose from {','.join(METHODS)}")
-    out = Path(args.output)
+    out = Path(args.output) if args.output else \
+        Path("bench-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     if out.exists() and not out.is_dir():
         raise UsageError("--output", f"{out} exists and is not a directory")
     try:

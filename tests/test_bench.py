@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -123,6 +124,22 @@ def test_bench_cli_humaneval_limit(capsys, tmp_path, pair):
     he = load_humaneval(2)
     assert [o["prompt_tokens"] for o in outputs[:2]] == [len(encode_prompt(p, tok)) for p in he]
     assert "|" not in err  # --no-progress: no bar
+
+
+def test_bench_cli_default_output_dir(capsys, tmp_path, monkeypatch, pair):
+    """Without --output the files go to bench-results/<UTC date-time>/ under the working
+    directory, and stderr says where."""
+    target, draft = pair
+    monkeypatch.chdir(tmp_path)
+    rc = main(["bench", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--dataset", "humaneval",
+               "--limit", "1", "--max-new-tokens", "4", "--budgets", "4", "--temperatures", "0",
+               "--methods", "autoregressive,tev", "--no-progress"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    runs = list((tmp_path / "bench-results").iterdir())
+    assert len(runs) == 1 and len(runs[0].name) == len("20261130-040000")
+    check_results(runs[0], [("autoregressive", None, 0.0), ("tev", 4, 0.0)], prompts=1, skipped=0)
+    assert str(Path("bench-results") / runs[0].name / "results.json") in err
 
 
 def test_run_bench_api_with_an_oracle_drafter(tmp_path, pair):
