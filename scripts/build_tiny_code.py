@@ -385,17 +385,22 @@ class DraftConfig:
     # layer 4, the deepest whose HF hidden state is a raw layer output (hidden_states[6] is the
     # final-normed one, which SGLang's aux capture would not reproduce).
     target_layer_ids: tuple = (1, 3, 4)
-    # training; measurements in docs/training.md ("Speed"): S=1024, b=2, 64 anchors is ~1.1 s/step
-    # on 1 thread, ~0.7 s/step on 2 idle threads -> 1800 steps ~ 21 min on 2 threads
-    seq_len: int = 1024
-    batch: int = 2
-    anchors: int = 64               # blocks per sequence: 128 blocks x 15 labels per step
-    steps: int = 1800               # ~3.7 M target tokens, ~1.4 epochs of the training split
-    lr: float = 1e-3
+    # training. A 250-step A/B on this corpus (docs/tiny-code.md, "Drafter recipe") showed the
+    # SpecForge recipe (data CE, gamma 7, lr 1e-3, 1024-token windows) sitting at the unigram
+    # for hundreds of steps; distilling the target's distribution with the loss focused on the
+    # first depths (gamma 2) and lr 3e-3 left that plateau in < 100 steps. 512-token windows keep
+    # relative distances up to a HumanEval prompt + completion in training at half the cost.
+    seq_len: int = 512
+    batch: int = 4
+    anchors: int = 32               # blocks per sequence: 128 blocks x 15 labels per step
+    steps: int = 3000
+    lr: float = 3e-3
     min_lr_frac: float = 0.1
-    warmup: int = 90
+    warmup: int = 60
     weight_decay: float = 0.0
-    gamma: float | None = 7.0       # loss_decay_gamma of SpecForge's DFlash recipes
+    gamma: float | None = 2.0
+    token_weight: float = 0.0       # CE on the data tokens
+    distill_weight: float = 1.0     # soft-target CE on the target's own distribution
     ckpt_every: int = 100
     log_every: int = 10
     eval_windows: int = 64          # held-out windows of seq_len tokens
@@ -446,6 +451,7 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
         "batch_size": dcfg.batch, "num_anchors": dcfg.anchors, "block_size": dcfg.block_size,
         "loss_decay_gamma": dcfg.gamma, "lr": dcfg.lr, "min_lr_ratio": dcfg.min_lr_frac,
         "warmup_steps": dcfg.warmup, "weight_decay": dcfg.weight_decay, "grad_clip": 1.0,
+        "loss": {"token_weight": dcfg.token_weight, "distill_weight": dcfg.distill_weight},
         "seed": args.seed, "threads": args.threads, "save_every": dcfg.ckpt_every,
         "keep_checkpoints": 1, "log_every": dcfg.log_every, "device": args.device,
         "export_dtype": "bfloat16", "tensorboard": False, "stop_at_step": args.max_steps,
@@ -519,10 +525,15 @@ class BenchConfig:
     budgets: tuple = (32, 64, 128)
     temperatures: tuple = (0.0, 1.0)
     max_new_tokens: int = 128
+    # predraw/sequential follow the same law as tev (paper Theorem 1; tests/test_verify_exact.py)
+    # and at T = 0 the same token path, so the build measures tev only: the whole build stays
+    # under 90 minutes on 2 cores. `sglang-tev bench` runs all five methods by default.
+    methods: tuple = ("autoregressive", "chain", "tev")
 
 
 FULL_BENCH = BenchConfig()
-QUICK_BENCH = BenchConfig(limit=2, budgets=(4,), temperatures=(0.0,), max_new_tokens=8)
+QUICK_BENCH = BenchConfig(limit=2, budgets=(4,), temperatures=(0.0,), max_new_tokens=8,
+                          methods=("autoregressive", "chain", "tev", "predraw", "sequential"))
 ASSETS = Path(__file__).resolve().parent.parent / "sglang_tev" / "assets" / "tiny-code"
 
 
@@ -554,9 +565,10 @@ def build_bench(args, cfg: Config, out: Path) -> dict | None:
     cmd = (f"sglang-tev bench --target {out / 'target'} --draft {out / 'draft'} --dataset humaneval "
            f"--limit {bcfg.limit} --budgets {','.join(map(str, bcfg.budgets))} "
            f"--temperatures {','.join(map(str, bcfg.temperatures))} --max-new-tokens {bcfg.max_new_tokens} "
-           f"--seed {args.seed}")
+           f"--methods {','.join(bcfg.methods)} --seed {args.seed}")
     records = run_bench(gen, load_humaneval(bcfg.limit), budgets=bcfg.budgets, temperatures=bcfg.temperatures,
-                        max_new_tokens=bcfg.max_new_tokens, seed=args.seed, output_dir=tmp, command=cmd)
+                        max_new_tokens=bcfg.max_new_tokens, seed=args.seed, output_dir=tmp, command=cmd,
+                        methods=bcfg.methods)
     print(format_table(records))
     fingerprint = bench_fingerprint(cfg, args.seed, out)
     tau = {f"{r['method']}{'' if r['budget'] is None else '@' + str(r['budget'])}_T{r['temperature']:g}": r["tau"]
@@ -586,6 +598,16 @@ def model_card(out: Path) -> str:
     meta = json.loads((out / "bench" / "meta.json").read_text())
     acc = drf["heldout_acc"]
     tc = json.loads((out / "target" / "config.json").read_text())
+    tau64 = next((r["tau"] for r in records if r["method"] == "tev" and r["budget"] == 64
+                  and r["temperature"] == 0), None)
+    if tau64 is not None and tau64 >= 2.5:
+        bar_line = (f"The drafter is small and weak next to real DFlash drafters (depth-1 top-1 above); tev at "
+                    f"budget 64, T = 0 reaches tau {tau64:.2f} (project bar: 2.5). At T = 1 tau is lower: "
+                    f"the target's sampled tokens are harder to draft than its greedy ones.")
+    else:
+        bar_line = (f"The drafter is weak (depth-1 top-1 above): tev at budget 64, T = 0 reaches tau "
+                    f"{'?' if tau64 is None else format(tau64, '.2f')}, below the project's bar of 2.5; "
+                    f"`docs/tiny-code.md` says why and what should raise it.")
     rows = "\n".join(
         f"| {r['method']} | {'-' if r['budget'] is None else r['budget']} | {r['temperature']:g} | {r['tau']:.2f} | "
         f"{r['accept_len_mean']:.2f} | {'-' if r['coverage_mean'] is None else format(r['coverage_mean'], '.2f')} | "
@@ -613,6 +635,12 @@ generated tables excluded): {tok.get("files_train", "?")} training files, {tok.g
 | target | Qwen3ForCausalLM, hidden {tc["hidden_size"]}, {tc["num_hidden_layers"]} layers, {tc["num_attention_heads"]}/{tc["num_key_value_heads"]} heads, tied embeddings, {tc["max_position_embeddings"]} positions | {tgt.get("params", "?"):,} | `target/model.safetensors` (bf16) |
 | drafter | DFlash, {drf["layers"]} layers, block size {drf["block_size"]}, target layers {drf["target_layer_ids"]} | {drf["params"]:,} | `draft/model.safetensors` (bf16, z-lab layout) |
 
+Training: the target is a causal LM on the training split ({tgt.get("steps", "?")} updates); the drafter is trained
+by `sglang_tev.train` on the frozen target's features, {FULL_DRAFT.steps} steps x {FULL_DRAFT.batch * FULL_DRAFT.anchors} blocks
+of {FULL_DRAFT.block_size} over {FULL_DRAFT.seq_len}-token windows, loss = soft-target CE against the target's own
+next-token distribution (`loss.distill_weight: {FULL_DRAFT.distill_weight:g}`, `loss.token_weight: {FULL_DRAFT.token_weight:g}`),
+decay gamma {FULL_DRAFT.gamma:g}, lr {FULL_DRAFT.lr:g} (recipe and its A/B: `docs/tiny-code.md`).
+
 ## Measured
 
 - Target held-out loss {tgt.get("heldout_loss", float("nan")):.3f} nats/token, perplexity {tgt.get("heldout_ppl", float("nan")):.1f}
@@ -633,13 +661,12 @@ Command: `{meta.get("command", "")}`
 
 ## Limitations
 
-- The drafter is weak (depth-1 top-1 accuracy above), so tau stays near 2 at T = 0 and the
-  project's bar of tau >= 2.5 at budget 64 is not met yet; `docs/tiny-code.md` says why and
-  what should raise it.
+- {bar_line}
 - On a CPU every tree node costs target compute, so speculative decoding is slower than
   autoregressive decoding here (speed-up < 1 above); the speed-ups of tree speculation come
   from memory-bound GPU decoding. tau and coverage are the numbers to read on CPU.
-- At T > 0 the three exact verifiers agree within sampling noise (same law, paper Theorem 1).
+- Only tev is measured here; predraw and sequential sample the same law (paper Theorem 1,
+  `tests/test_verify_exact.py`) and `sglang-tev bench` runs them by default.
 
 ## Rebuild
 
@@ -648,7 +675,7 @@ python scripts/build_tiny_code.py --out runs/tiny-code --threads 2      # tokeni
 python scripts/build_tiny_code.py --out runs/tiny-code --stages ship    # copy into sglang_tev/assets
 ```
 
-Seeded and resumable; about 70 minutes on a 2-core CPU. See `docs/tiny-code.md`.
+Seeded and resumable; about 75 minutes on a 2-core CPU (tokenizer 8 s, target ~43 min, drafter ~26 min, bench ~5.5 min). See `docs/tiny-code.md`.
 """
 
 

@@ -57,7 +57,7 @@ def test_greedy_identical_to_plain_decoding(gen):
         res = gen.generate(ids, method=method, budget=32, max_new_tokens=96, ignore_eos=True)
         assert res.token_ids == ref, method
         taus[method] = res.tau
-    assert taus["tev"] > 1.5, taus  # the trained drafter is genuinely accepted (2.0 measured)
+    assert taus["tev"] > 2.0, taus  # the trained drafter is genuinely accepted (2.59 measured)
 
 
 def test_readme_command_runs():
