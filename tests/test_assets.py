@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from sglang_tev.cli import default_model_paths
-from sglang_tev.hf.runtime import SpeculativeGenerator
+from sglang_tev.hf.runtime import SpeculativeGenerator, cache_kwargs
 
 ASSETS = Path(__file__).resolve().parent.parent / "sglang_tev" / "assets" / "tiny-code"
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -41,11 +41,11 @@ def plain_greedy(model, ids, n):
     out = []
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        logits = model(torch.tensor([ids]), past_key_values=cache).logits[0, -1]
+        logits = model(torch.tensor([ids]), **cache_kwargs(model, cache)).logits[0, -1]
         for _ in range(n):
             t = int(logits.argmax())
             out.append(t)
-            logits = model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1]
+            logits = model(torch.tensor([[t]]), **cache_kwargs(model, cache)).logits[0, -1]
     return out
 
 

@@ -24,6 +24,7 @@ from sglang_tev.draft.dflash import (
     build_target_layer_ids,
     extract_context_features,
 )
+from sglang_tev.hf.runtime import cache_kwargs
 
 try:
     import dflash.model as ref_mod  # z-lab reference implementation (test oracle)
@@ -180,7 +181,7 @@ def _chain_generate_greedy(model, target, input_ids, max_new_tokens):
     P = input_ids.shape[1]
     max_length = P + max_new_tokens
     tcache, dcache = DynamicCache(config=target.config), model.new_cache()
-    out = target(input_ids, past_key_values=tcache, use_cache=True, output_hidden_states=True)
+    out = target(input_ids, **cache_kwargs(target, tcache), use_cache=True, output_hidden_states=True)
     tokens = input_ids[0].tolist() + [int(out.logits[0, -1].argmax())]
     ctx = model.extract_context_features(out.hidden_states)
     start, rounds, accepts = P, [], []
@@ -192,7 +193,7 @@ def _chain_generate_greedy(model, target, input_ids, max_new_tokens):
         drafts = logits[0].argmax(-1)
         block = torch.cat([root, drafts])[None]
         out = target(block, position_ids=torch.arange(start, start + block_size)[None],
-                     past_key_values=tcache, use_cache=True, output_hidden_states=True)
+                     **cache_kwargs(target, tcache), use_cache=True, output_hidden_states=True)
         posterior = out.logits[0].argmax(-1)
         acc = int((drafts == posterior[:-1]).cumprod(0).sum())
         tokens = tokens[:start + 1] + drafts[:acc].tolist() + [int(posterior[acc])]

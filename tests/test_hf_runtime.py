@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Confi
 from sglang_tev import SamplingParams, processed_probs
 from sglang_tev.draft.dflash import DFlashConfig, DFlashDraftModel
 from sglang_tev.hf.drafters import DFlashDrafter, OracleDrafter
-from sglang_tev.hf.runtime import SpeculativeGenerator
+from sglang_tev.hf.runtime import SpeculativeGenerator, cache_kwargs
 
 V = 96
 
@@ -53,13 +53,13 @@ def plain_greedy(model, prompt, n, stops=()):
     out = []
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        logits = model(ids, past_key_values=cache).logits[0, -1]
+        logits = model(ids, **cache_kwargs(model, cache)).logits[0, -1]
         for _ in range(n):
             t = int(logits.argmax())
             out.append(t)
             if t in stops:
                 break
-            logits = model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1]
+            logits = model(torch.tensor([[t]]), **cache_kwargs(model, cache)).logits[0, -1]
     return out
 
 
@@ -103,7 +103,7 @@ def test_kv_cache_equals_plain_forward_after_many_rounds(target):
     assert gen.past_len == committed.shape[1] - 1  # the last token is the next root, not cached
     ref = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(committed[:, :-1], past_key_values=ref)
+        target(committed[:, :-1], **cache_kwargs(target, ref))
     for got, want in zip(gen.cache.layers, ref.layers):
         assert got.keys.shape == want.keys.shape
         torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-5)
@@ -338,3 +338,21 @@ def test_budget_cap_and_no_cache_rename_warning(target):
         _w.simplefilter("always")
         gen.generate([1, 2, 3], budget=4, max_new_tokens=4, ignore_eos=True)
     assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_cache_kwargs_follows_the_forward_signature():
+    """The KV-cache keyword is the one the model's forward declares (``cache`` in transformers
+    releases that renamed it, ``past_key_values`` before)."""
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return cache
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return past_key_values
+
+    c = object()
+    assert cache_kwargs(New(), c) == {"cache": c}
+    assert cache_kwargs(Old(), c) == {"past_key_values": c}
+    assert New()(None, **cache_kwargs(New(), c)) is c and Old()(None, **cache_kwargs(Old(), c)) is c

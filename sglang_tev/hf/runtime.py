@@ -21,6 +21,7 @@ The KV cache is a transformers ``DynamicCache`` on every device.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
 import warnings
@@ -114,6 +115,17 @@ class GenerationResult:
     def stage_ms(self) -> dict[str, float]:
         """Total milliseconds per stage over all rounds."""
         return {s: sum(r.stage_ms.get(s, 0.0) for r in self.rounds) for s in STAGES}
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for the KV-cache keyword of ``model.forward``: ``cache`` where
+    transformers has renamed it (the signature says so; 5.2x), else ``past_key_values``
+    (which newer releases accept only until their removal)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def _quiet_cache_rename(fn):
@@ -366,7 +378,7 @@ class SpeculativeGenerator:
         if self.past_len > 0:
             out = self.target(
                 self.committed[:, :-1],
-                past_key_values=self.cache,
+                **cache_kwargs(self.target, self.cache),
                 use_cache=True,
                 output_hidden_states=need_feats,
                 logits_to_keep=1,
@@ -417,7 +429,7 @@ class SpeculativeGenerator:
                 tree.tokens,
                 position_ids=positions,
                 attention_mask=mask,
-                past_key_values=self.cache,
+                **cache_kwargs(self.target, self.cache),
                 use_cache=True,
                 output_hidden_states=need_feats,
             )
