@@ -61,7 +61,9 @@ def default_model_paths() -> tuple[Path, Path]:
 def _usage_from(exc: Exception, default_arg: str) -> UsageError:
     msg = str(exc)
     if "need a drafter" in msg or "needs a drafter" in msg:
-        return UsageError("--draft", msg + " (pass --draft)")
+        method = msg.split("'")[1] if msg.count("'") >= 2 else "this method"
+        return UsageError("--draft", f"--method {method} needs a drafter: pass --draft DIR or use "
+                                     "--method autoregressive")
     head = msg.split(":", 1)[0].split(" ", 1)[0]
     return UsageError(_ARG_OF.get(head, default_arg), msg)
 
@@ -89,7 +91,7 @@ def _str_list(s: str) -> list[str]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--target", help="target model directory (HF, with tokenizer); default: the shipped tiny-code pair")
-    g.add_argument("--draft", help="DFlash drafter directory (z-lab layout); default: the shipped pair's")
+    g.add_argument("--draft", help="DFlash drafter directory (z-lab layout); default without --target: the shipped drafter")
     g.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--no-chat-template", action="store_true",
@@ -161,13 +163,13 @@ def _load(args):
     """-> SpeculativeGenerator from --target/--draft (or the shipped pair), --device, --dtype."""
     import torch
 
-    if args.target is None:
-        if args.draft is not None:
-            raise UsageError("--target", "--draft given without --target")
+    if args.target is None:  # the shipped target; its drafter unless --draft names another
         try:
             target, draft = default_model_paths()
         except FileNotFoundError as e:
             raise UsageError("--target", str(e)) from None
+        if args.draft is not None:
+            draft = args.draft
     else:
         target, draft = args.target, args.draft
     device = _torch_device(args.device)
@@ -325,6 +327,7 @@ def cmd_generate(args) -> int:
 def cmd_bench(args, argv: list[str]) -> int:
     from .hf.bench import format_table, run_bench
     from .hf.datasets import load_prompts
+    from .hf.runtime import MAX_BUDGET
 
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit", f"must be >= 1, got {args.limit}")
@@ -336,13 +339,20 @@ def cmd_bench(args, argv: list[str]) -> int:
         raise UsageError("--budgets", f"budgets must be >= 0, got {args.budgets}")
     if not args.temperatures or any(not (t >= 0) or math.isinf(t) for t in args.temperatures):
         raise UsageError("--temperatures", f"temperatures must be finite numbers >= 0, got {args.temperatures}")
+    if any(b > MAX_BUDGET for b in args.budgets):
+        raise UsageError("--budgets", f"budgets must be <= {MAX_BUDGET}, got {args.budgets}")
+    if not args.methods:
+        raise UsageError("--methods", f"give at least one of {','.join(METHODS)}")
     bad = [m for m in args.methods if m not in METHODS]
-    if bad or not args.methods:
+    if bad:
         raise UsageError("--methods", f"unknown {bad}; choose from {','.join(METHODS)}")
     out = Path(args.output) if args.output else \
         Path("bench-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     if out.exists() and not out.is_dir():
         raise UsageError("--output", f"{out} exists and is not a directory")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UsageError("--output", f"cannot create {out}: {blocker} is not a directory")
     try:
         prompts = load_prompts(args.dataset, args.limit)
     except (FileNotFoundError, ValueError) as e:

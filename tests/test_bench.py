@@ -179,6 +179,9 @@ BAD = [
     (["--dataset", "{notjsonl}"], "--dataset", "'humaneval' or a .jsonl file"),
     (["--dataset", "{alllong}"], "--dataset", "none of the 1 prompts fits the model's 512 positions"),
     (["--target", "{missing}"], "--target", "no model directory"),
+    (["--budgets", "2000"], "--budgets", "budgets must be <= 1024"),
+    (["--methods", ""], "--methods", "give at least one"),
+    (["--output", "{under_file}"], "--output", "is not a directory"),
 ]
 
 
@@ -188,8 +191,9 @@ def test_bench_bad_input_exits_2_naming_the_argument(capsys, tmp_path, pair, jso
     bad.write_text('{"prompt": "a"}\n{"text": "no prompt here"}\n')
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "x " * 400}) + "\n")
+    (tmp_path / "a_file").write_text("x")
     subst = {"{missing}": str(tmp_path / "nope.jsonl"), "{badline}": str(bad), "{notjsonl}": "mtbench",
-             "{alllong}": str(long)}
+             "{alllong}": str(long), "{under_file}": str(tmp_path / "a_file" / "sub")}
     args = [subst.get(a, a) for a in args]
     opts = {"--target": str(pair[0]), "--draft": str(pair[1]), "--dataset": str(jsonl), "--output": str(tmp_path / "o"),
             "--budgets": "2", "--temperatures": "0", "--max-new-tokens": "2"}
@@ -199,7 +203,7 @@ def test_bench_bad_input_exits_2_naming_the_argument(capsys, tmp_path, pair, jso
     out, err = capsys.readouterr()
     assert rc == 2, err
     assert f"argument {arg}" in err and says in err and "Traceback" not in err, err
-    assert not (tmp_path / "o" / "results.json").exists()
+    assert not (tmp_path / "o").exists()  # nothing written on bad input
 
 
 def test_datasets(tmp_path, pair):

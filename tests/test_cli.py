@@ -219,4 +219,15 @@ def test_target_without_draft_decodes_autoregressively_only(capsys, pair, ref):
     assert out == ref.generate(PROMPT, method="autoregressive", max_new_tokens=6).text
     rc = main(["generate", "--target", str(target), PROMPT])
     out, err = capsys.readouterr()
-    assert rc == 2 and "argument --draft: method 'tev' needs a drafter" in err and out == ""
+    assert rc == 2 and "argument --draft: --method tev needs a drafter: pass --draft DIR" in err and out == ""
+
+
+def test_draft_alone_pairs_with_the_shipped_target(capsys, tmp_path):
+    """--draft without --target uses the shipped target; a drafter given as --target is refused."""
+    _, shipped_draft = default_model_paths()
+    rc = main(["generate", "--draft", str(shipped_draft), "--max-new-tokens", "4", "def f(x):"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out and "Traceback" not in err, err
+    rc = main(["generate", "--target", str(shipped_draft), "--method", "autoregressive", "x"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "argument --target:" in err and "is a DFlash drafter" in err and out == ""

@@ -427,9 +427,14 @@ def test_evaluate_reports_per_depth_metrics(tiny, straight):
     ("draft.target_layer_ids=[1,x]", "draft.target_layer_ids[1]"),
     ("warmup_steps=5", "warmup_steps"),  # together with warmup_ratio below
     ("draft_init=/nonexistent", "draft"),  # together with draft below
+    ("loss.distill_weight=-1", "loss.distill_weight"),
+    ("loss.token_weight=0", "loss"),  # with distill_weight 0: nothing to train
+    ("output_dir={file}", "output_dir"),
 ])
-def test_config_errors_name_the_key(tiny, override, key):
+def test_config_errors_name_the_key(tiny, tmp_path, override, key):
     cfg = base_cfg(tiny, "unused")
+    (tmp_path / "a_file").write_text("x")
+    override = override.replace("{file}", str(tmp_path / "a_file"))
     if override.startswith("warmup_steps"):
         cfg["warmup_ratio"] = 0.1
     with pytest.raises(ConfigError) as e:
@@ -468,6 +473,17 @@ def test_bad_inputs_name_the_key(tiny, tmp_path):
     with pytest.raises(ConfigError) as e:  # the drafter's layer ids must exist in the target
         train(base_cfg(tiny, "bad4", draft={"target_layer_ids": [5], "mask_token_id": MASK}))
     assert e.value.key == "draft"
+    with pytest.raises(ConfigError) as e:  # windows longer than the target's positions (256)
+        train(base_cfg(tiny, "bad5", seq_len=512))
+    assert e.value.key == "seq_len" and not (tiny / "bad5").exists()
+    drafter = tmp_path / "drafter"
+    DFlashDraftModel(DFlashConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  num_target_layers=LAYERS, mask_token_id=MASK, target_layer_ids=(0,),
+                                  block_size=4, vocab_size=V)).save_pretrained(drafter)
+    with pytest.raises(ValueError, match="^target: .*is a DFlash drafter"):
+        train(base_cfg(tiny, "bad6", target=str(drafter)))
+    assert not (tiny / "bad6").exists()
     with pytest.raises(ConfigError) as e:  # no tokenizer in the target dir: mask id is required
         train(base_cfg(tiny, "bad5", draft={"num_hidden_layers": 1}))
     assert e.value.key == "draft.mask_token_id"
@@ -520,6 +536,9 @@ def test_cli_errors_name_the_key(tiny, capsys):
     overrides = [f"{k}={json.dumps(v)}" for k, v in cfg.items()]
     assert cli_main(["--print-config", *overrides, "lr=0.01"]) == 0
     assert "lr: 0.01" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # argparse: no config and no overrides
+        cli_main([])
+    assert e.value.code == 2 and "--config is required" in capsys.readouterr().err
 
 
 def test_cli_end_to_end_subprocess(tiny, tmp_path):

@@ -40,11 +40,27 @@ __all__ = [
     "build_target_layer_ids",
     "extract_context_features",
     "block_train_mask",
+    "is_dflash_checkpoint",
 ]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+
+
+def is_dflash_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path/config.json`` describes a DFlash drafter (a ``dflash_config`` block or a
+    ``DFlash*`` architecture), e.g. to refuse one where a target model is expected: transformers
+    would load it as a Qwen3 causal LM with randomly initialised missing weights. False when
+    there is no readable config."""
+    try:
+        cfg = json.loads((Path(path) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(cfg, dict):
+        return False
+    archs = cfg.get("architectures") or []
+    return "dflash_config" in cfg or any(isinstance(a, str) and "DFlash" in a for a in archs)
 
 # ----------------------------------------------------------------------------------------------
 # Config

@@ -329,7 +329,7 @@ def run_bench(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         settings = {"budgets": budgets, "temperatures": temperatures, "max_new_tokens": max_new_tokens,
-                    "methods": methods, "seed": seed, "chat_template": chat_template, "ignore_eos": ignore_eos,
+                    "methods": methods, "seed": seed, "chat_template": bool(chat_template and getattr(generator.tokenizer, "chat_template", None)), "ignore_eos": ignore_eos,
                     "prompts": len(kept), "skipped_prompts": skipped}
         _write_json(out_dir / "meta.json", _meta(generator, command, meta, settings))
 

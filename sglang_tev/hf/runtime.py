@@ -195,16 +195,19 @@ class SpeculativeGenerator:
             device: default CUDA when available, else CPU.
         Raises:
             FileNotFoundError / ValueError naming ``target`` or ``draft``; ValueError when the
-            drafter does not fit the target.
+            drafter does not fit the target or ``target`` is a DFlash drafter directory.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..draft.dflash import DFlashDraftModel
+        from ..draft.dflash import DFlashDraftModel, is_dflash_checkpoint
         from .drafters import DFlashDrafter
 
         _path_error("target", target)
         if draft is not None:
             _path_error("draft", draft)
+        if is_dflash_checkpoint(target):
+            raise ValueError(f"target: {os.fspath(target)!r} is a DFlash drafter (z-lab layout), not a target "
+                             "model; pass it as the draft")
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -217,6 +220,8 @@ class SpeculativeGenerator:
         try:
             tok = AutoTokenizer.from_pretrained(target)
         except (OSError, ValueError):
+            tok = None
+        if tok is not None and len(tok) == 0:  # no tokenizer files: transformers returns an empty one
             tok = None
         drafter = None
         if draft is not None:

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="print the validated config as YAML and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
+    if args.config is None and not args.overrides:
+        p.error("--config is required (or give every required key as key=value)")
 
     from .config import ConfigError, config_to_dict, load_config
 

@@ -170,6 +170,10 @@ class TrainConfig:
                 raise ConfigError("draft.target_layer_ids",
                                   f"must be a non-empty list of ints >= 0, got "
                                   f"{self.draft.target_layer_ids!r}")
+        if self.loss.token_weight == 0 and self.loss.distill_weight == 0:
+            raise ConfigError("loss", "token_weight and distill_weight are both 0: nothing to train")
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise ConfigError("output_dir", f"{self.output_dir!r} exists and is not a directory")
         if self.resume not in ("auto", "never") and not os.path.isdir(self.resume):
             raise ConfigError("resume", f"must be 'auto', 'never' or a checkpoint directory; "
                                         f"{self.resume!r} is not a directory")

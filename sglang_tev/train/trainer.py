@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..draft.dflash import DFlashConfig, DFlashDraftModel, build_target_layer_ids, \
-    extract_context_features
+    extract_context_features, is_dflash_checkpoint
 from .config import ConfigError, DraftArchConfig, TrainConfig, config_to_dict, load_config
 from .data import TokenDataset, anchor_keys, batch_indices, collate, load_dataset, \
     sample_anchors, valid_anchor_positions
@@ -83,6 +83,9 @@ def load_target(path: str | os.PathLike, device: torch.device, dtype: torch.dtyp
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"target: no model directory at {os.fspath(path)!r}")
+    if is_dflash_checkpoint(path):
+        raise ValueError(f"target: {os.fspath(path)!r} is a DFlash drafter (z-lab layout), not a target "
+                         "model; give it as draft_init")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
@@ -447,6 +450,10 @@ class Trainer:
         self.amp_dtype = torch.bfloat16 if use_bf16 else None
         target_dtype = torch.bfloat16 if (use_bf16 and self.device.type == "cuda") else torch.float32
         self.target, self.tokenizer = load_target(cfg.target, self.device, target_dtype)
+        max_pos = getattr(_target_text_config(self.target), "max_position_embeddings", None)
+        if max_pos is not None and cfg.seq_len > int(max_pos):
+            raise ConfigError("seq_len", f"must be <= the target's max_position_embeddings "
+                                         f"({int(max_pos)}), got {cfg.seq_len}")
         self.embed = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self.decoder = self.target.get_decoder()
