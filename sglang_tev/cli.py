@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import sys
 import time
@@ -172,6 +173,7 @@ def _load(args):
             draft = args.draft
     else:
         target, draft = args.target, args.draft
+    args.target_path, args.draft_path = target, draft  # resolved, for bench's meta.json
     device = _torch_device(args.device)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     try:
@@ -360,8 +362,8 @@ def cmd_bench(args, argv: list[str]) -> int:
     if not prompts:
         raise UsageError("--dataset", f"{args.dataset} holds no prompts")
     gen = _load(args)
-    meta = {"dataset": args.dataset, "limit": args.limit, "target_path": args.target, "draft_path": args.draft,
-            "argv": argv}
+    meta = {"dataset": args.dataset, "limit": args.limit, "target_path": os.fspath(args.target_path),
+            "draft_path": None if args.draft_path is None else os.fspath(args.draft_path), "argv": argv}
     try:
         records = run_bench(
             gen, prompts, budgets=args.budgets, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,

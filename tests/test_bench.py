@@ -128,10 +128,12 @@ def test_bench_cli_humaneval_limit(capsys, tmp_path, pair):
 
 def test_bench_cli_default_output_dir(capsys, tmp_path, monkeypatch, pair):
     """Without --output the files go to bench-results/<UTC date-time>/ under the working
-    directory, and stderr says where."""
-    target, draft = pair
+    directory, and stderr says where; without --target/--draft meta.json names the shipped pair."""
+    from sglang_tev.cli import default_model_paths
+
+    target, draft = default_model_paths()
     monkeypatch.chdir(tmp_path)
-    rc = main(["bench", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--dataset", "humaneval",
+    rc = main(["bench", "--device", "cpu", "--dataset", "humaneval",
                "--limit", "1", "--max-new-tokens", "4", "--budgets", "4", "--temperatures", "0",
                "--methods", "autoregressive,tev", "--no-progress"])
     _, err = capsys.readouterr()
@@ -140,6 +142,8 @@ def test_bench_cli_default_output_dir(capsys, tmp_path, monkeypatch, pair):
     assert len(runs) == 1 and len(runs[0].name) == len("20261130-040000")
     check_results(runs[0], [("autoregressive", None, 0.0), ("tev", 4, 0.0)], prompts=1, skipped=0)
     assert str(Path("bench-results") / runs[0].name / "results.json") in err
+    meta = json.loads((runs[0] / "meta.json").read_text())
+    assert meta["target_path"] == str(target) and meta["draft_path"] == str(draft)
 
 
 def test_run_bench_api_with_an_oracle_drafter(tmp_path, pair):

@@ -231,3 +231,7 @@ def test_draft_alone_pairs_with_the_shipped_target(capsys, tmp_path):
     rc = main(["generate", "--target", str(shipped_draft), "--method", "autoregressive", "x"])
     out, err = capsys.readouterr()
     assert rc == 2 and "argument --target:" in err and "is a DFlash drafter" in err and out == ""
+    shipped_target, _ = default_model_paths()
+    rc = main(["generate", "--target", str(shipped_target), "--draft", str(shipped_target), "x"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "argument --draft:" in err and "looks like a target model" in err and out == ""

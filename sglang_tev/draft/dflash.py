@@ -252,8 +252,10 @@ class DFlashConfig:
                 _check_neutral(key, cfg[key])
         arch = cfg.get("architectures")
         if arch is not None and list(arch) != [ARCHITECTURE]:
+            hint = ("; this looks like a target model, not a DFlash drafter"
+                    if any(str(a).endswith("ForCausalLM") for a in arch) else "")
             raise ValueError(f"config key 'architectures'={arch!r} is not supported "
-                             f"(expected [{ARCHITECTURE!r}])")
+                             f"(expected [{ARCHITECTURE!r}]){hint}")
         if cfg.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"config key 'model_type'={cfg['model_type']!r} is not supported "
                              "(expected 'qwen3')")
