@@ -166,6 +166,9 @@ def test_run_bench_api_with_an_oracle_drafter(tmp_path, pair):
     # a greedy tree verifier is accepted at T=0 only
     with pytest.raises(ValueError, match="methods: 'greedy'"):
         run_bench(gen, prompts, budgets=[3], temperatures=[1], max_new_tokens=4, methods=["greedy"], output_dir=None)
+    with pytest.raises(ValueError, match="budgets must be <= 1024"):  # checked before anything is written
+        run_bench(gen, prompts, budgets=[2000], temperatures=[0], max_new_tokens=4, output_dir=tmp_path / "big")
+    assert not (tmp_path / "big").exists()
     r = run_bench(gen, prompts[:1], budgets=[3], temperatures=[0], max_new_tokens=4, methods=["greedy", "chain"],
                   output_dir=None, progress=False, warmup=False)
     assert [x["method"] for x in r] == ["greedy", "chain"] and all(x["speedup"] is None for x in r)

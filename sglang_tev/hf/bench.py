@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 from ..sampling import SamplingParams
 from .datasets import Prompt, encode_prompt
-from .runtime import GENERATION_METHODS, STAGES, SpeculativeGenerator
+from .runtime import GENERATION_METHODS, MAX_BUDGET, STAGES, SpeculativeGenerator
 
 __all__ = ["run_bench", "bench_configs", "format_table", "DEFAULT_METHODS", "RECORD_KEYS", "TREE_METHODS"]
 
@@ -75,6 +75,8 @@ def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed)
     budgets = list(dict.fromkeys(budgets))
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
         raise ValueError(f"budgets must be ints >= 0, got {budgets!r}")
+    if any(b > MAX_BUDGET for b in budgets):
+        raise ValueError(f"budgets must be <= {MAX_BUDGET}, got {budgets!r}")
     if not budgets and any(m in TREE_METHODS for m in methods):
         raise ValueError("budgets must hold at least one budget for the DDTree methods")
     temperatures = list(dict.fromkeys(float(t) for t in temperatures))
@@ -314,7 +316,7 @@ def run_bench(
         Per-prompt outputs are in ``output_dir/outputs.jsonl``.
 
     Raises:
-        ValueError naming the argument: unknown method, budget < 0, temperature < 0,
+        ValueError naming the argument: unknown method, budget < 0 or > MAX_BUDGET, temperature < 0,
         max_new_tokens < 1, 'greedy' at a temperature > 0, a speculative method without a drafter,
         or no prompt left after skipping.
     """

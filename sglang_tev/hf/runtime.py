@@ -117,20 +117,26 @@ class GenerationResult:
         return {s: sum(r.stage_ms.get(s, 0.0) for r in self.rounds) for s in STAGES}
 
 
-def cache_kwargs(model, cache) -> dict:
-    """``{name: cache}`` for the KV-cache keyword of ``model.forward``: ``cache`` where
-    transformers has renamed it (the signature says so; 5.2x), else ``past_key_values``
-    (which newer releases accept only until their removal)."""
+def cache_kwarg_name(model) -> str:
+    """The KV-cache keyword of ``model.forward``: ``cache`` where transformers has renamed it
+    (the signature says so; 5.2x), else ``past_key_values`` (which newer releases accept only
+    until their removal)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         params = {}
-    return {"cache" if "cache" in params else "past_key_values": cache}
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{cache_kwarg_name(model): cache}``, to pass a KV cache to ``model(...)``."""
+    return {cache_kwarg_name(model): cache}
 
 
 def _quiet_cache_rename(fn):
-    """transformers >= 5.2x renames ``past_key_values``; the old name still works, and its
-    FutureWarning on every forward would break the CLI's one-line stderr contract."""
+    """transformers >= 5.2x renames ``past_key_values``; :func:`cache_kwarg_name` passes the new
+    name when ``forward`` declares it. A forward that hides it behind ``**kwargs`` still gets the
+    old one, whose FutureWarning on every forward would break the CLI's one-line stderr contract."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -168,6 +174,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.config = target.config
+        self._cache_kw = cache_kwarg_name(target)  # resolved once: signature inspection is not free
         self.device = next(target.parameters()).device
         model = getattr(drafter, "model", None)
         if model is not None and hasattr(model, "validate_against_target"):
@@ -383,7 +390,7 @@ class SpeculativeGenerator:
         if self.past_len > 0:
             out = self.target(
                 self.committed[:, :-1],
-                **cache_kwargs(self.target, self.cache),
+                **{self._cache_kw: self.cache},
                 use_cache=True,
                 output_hidden_states=need_feats,
                 logits_to_keep=1,
@@ -434,7 +441,7 @@ class SpeculativeGenerator:
                 tree.tokens,
                 position_ids=positions,
                 attention_mask=mask,
-                **cache_kwargs(self.target, self.cache),
+                **{self._cache_kw: self.cache},
                 use_cache=True,
                 output_hidden_states=need_feats,
             )

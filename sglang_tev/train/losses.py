@@ -123,6 +123,11 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     """
     if ce is None:
         ce = slot_ce(logits, labels)
+    return _weighted(ce, weights)
+
+
+def _weighted(ce: torch.Tensor, weights: torch.Tensor) -> LossTerm:
+    """``LossTerm(Σ w·ce, Σ w)`` with the denominator detached."""
     w = weights.float()
     return LossTerm((ce * w).sum(), w.sum().detach())
 
@@ -140,9 +145,7 @@ def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor,
     """
     logq = F.log_softmax(logits.float(), dim=-1)
     p = F.softmax(target_logits.detach().float(), dim=-1)
-    ce = -(p * logq).sum(-1)
-    w = weights.float()
-    return LossTerm((ce * w).sum(), w.sum().detach())
+    return _weighted(-(p * logq).sum(-1), weights)
 
 
 def combine_terms(terms: Sequence[tuple[float, LossTerm]],
