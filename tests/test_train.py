@@ -77,8 +77,8 @@ def base_cfg(root: Path, out: str, **kw) -> dict:
 
 
 def log_records(out: Path) -> list[dict]:
-    """Train-log records without the wall-clock field."""
-    return [{k: v for k, v in json.loads(ln).items() if k != "tokens_per_s"}
+    """Train-log records without the wall-clock fields."""
+    return [{k: v for k, v in json.loads(ln).items() if k != "tokens_per_s" and not k.startswith("ms_")}
             for ln in (out / "train_log.jsonl").read_text().splitlines()]
 
 
@@ -212,7 +212,7 @@ def test_distill_target_logits_are_the_label_positions(tiny):
                                       loss={"distill_weight": 1.0})))
     ids = torch.from_numpy(np.load(tiny / "train.npy")[:32].astype(np.int64))[None]
     with torch.no_grad():
-        _, last = tr._features(ids)
+        _, last, _ = tr._features(ids)
         full = tr.target(input_ids=ids).logits
         anchors = torch.tensor([[1, 5, 28]])
         got = tr._target_logits(last, anchors)
@@ -234,7 +234,7 @@ def test_distill_only_training_learns_the_target(tiny):
 
     def kd_now():
         with torch.no_grad():
-            feats, last = tr._features(ids)
+            feats, last, _ = tr._features(ids)
             lg, lab = block_logits(tr.draft.forward_train, tr.embed, tr.lm_head, feats, ids,
                                    anchors, keep, tr.block_size, MASK)
             t = distill_loss(lg, tr._target_logits(last, anchors), torch.ones_like(lab, dtype=torch.float))
@@ -446,8 +446,21 @@ def test_config_required_keys_exit_mode_and_overrides(tiny, tmp_path):
     with pytest.raises(ConfigError, match="'max_steps': is required"):
         load_config({"target": "t", "data": "d", "output_dir": "o"})
     for mode in ("exit", "prefix"):
-        with pytest.raises(NotImplementedError, match="loss.exit.mode"):
-            load_config(base_cfg(tiny, "x"), [f"loss.exit.mode={mode}"])
+        cfg = load_config(base_cfg(tiny, "x"), [f"loss.exit.mode={mode}"])
+        assert cfg.loss.exit.mode == mode and cfg.loss.exit.budget == 64 and cfg.loss.exit.lambda_ == 0.1
+    for bad, key in [("loss.exit.lambda=-0.1", "loss.exit.lambda"), ("loss.exit.budget=0", "loss.exit.budget"),
+                     ("loss.exit.mode=tree", "loss.exit.mode"), ("loss.exit.anchors_per_forward=0",
+                                                                 "loss.exit.anchors_per_forward")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(base_cfg(tiny, "x"), ["loss.exit.mode=exit", bad])
+        assert e.value.key == key
+    with pytest.raises(ConfigError, match="neither") as e:
+        load_config({"target": "t", "output_dir": "o", "max_steps": 1})
+    assert e.value.key == "data"
+    with pytest.raises(ConfigError, match="both") as e:
+        load_config(base_cfg(tiny, "x"), ["rollout.prompts=p.jsonl"])
+    with pytest.raises(ConfigError, match="'rollout.prompts': is required"):
+        load_config(base_cfg(tiny, "x", data=None), ["rollout.max_new_tokens=8"])
     path = tmp_path / "run.yaml"
     path.write_text(json.dumps(base_cfg(tiny, "x")))  # JSON is YAML
     cfg = load_config(path, ["lr=3e-4", "loss_decay_gamma=7", "draft.target_layer_ids=[1, 2]",
@@ -530,8 +543,8 @@ def test_cli_errors_name_the_key(tiny, capsys):
     assert cli_main(["target=x", "data=y", "output_dir=z", "max_steps=1", "bogus.key=3"]) == 2
     assert "'bogus'" in capsys.readouterr().err
     assert cli_main(["target=x", "data=y", "output_dir=z", "max_steps=1",
-                     "loss.exit.mode=exit"]) == 2
-    assert "loss.exit.mode" in capsys.readouterr().err
+                     "loss.exit.lambda=-1"]) == 2
+    assert "loss.exit.lambda" in capsys.readouterr().err
     cfg = base_cfg(tiny, "z")
     overrides = [f"{k}={json.dumps(v)}" for k, v in cfg.items()]
     assert cli_main(["--print-config", *overrides, "lr=0.01"]) == 0

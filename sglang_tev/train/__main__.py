@@ -7,6 +7,7 @@ naming the key), 130 interrupted (the last checkpoint is intact; rerun to resume
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 PROG = "python -m sglang_tev.train"
@@ -46,13 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
-        if str(e).split(":", 1)[0] in ("target", "data", "eval_data", "draft_init", "resume"):
+        if str(e).split(":", 1)[0] in ("target", "data", "eval_data", "draft_init", "resume",
+                                       "rollout.prompts", "rollout.cache"):
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
         raise
     except KeyboardInterrupt:
         print(f"[{PROG}] interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 alone reports
+        return 0
     if res.complete:
         print(f"[{PROG}] done: {res.step} steps; drafter exported to {res.final_dir}", file=sys.stderr)
     else:

@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
-__all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig",
+__all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig", "RolloutConfig",
            "load_config", "parse_overrides", "config_to_dict"]
 
 
@@ -92,11 +92,43 @@ class DraftArchConfig:
 
 @dataclass(frozen=True)
 class ExitLossConfig:
-    """ExitTrain's tree term (DESIGN §6, paper Eq. 14). Only ``mode: none`` is implemented."""
+    """ExitTrain's tree term (DESIGN §6, paper Eq. 14-15): ``loss += lambda * L_exit``.
+
+    ``mode``: ``none`` (dense loss only), ``exit`` (weights w(v) = P(v)·rho(v), the paper) or
+    ``prefix`` (reachability control: P(v) rescaled to the exit weights' total). ``budget``: the
+    inference tree budget B the trees are built with (paper: 64). ``include_horizon_leaves``: keep
+    the nodes at the maximum draft depth (the paper's default). ``anchors_per_forward``: anchors
+    whose trees share one target tree forward (null: as many as keep the mask under 256 MiB).
+    """
 
     mode: Literal["none", "exit", "prefix"] = _f("none")
     lambda_: float = _f(0.1, key="lambda", check=_ge(0.0))
-    budget: int = _f(32, check=_ge(1))
+    budget: int = _f(64, check=_ge(1))
+    include_horizon_leaves: bool = _f(True)
+    anchors_per_forward: int | None = _f(None, check=_ge(1))
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Online target rollouts (``rollout:``): the frozen target answers the prompts once, the
+    responses are cached as jsonl and trained on with a response-only loss (paper App. D).
+
+    ``prompts``: jsonl with ``messages`` (a chat ending in a user turn) or ``prompt`` (text) per
+    line. ``cache``: the responses (null: ``<output_dir>/rollouts.jsonl``); an existing cache made
+    with the same settings is reused and a partial one is completed. Sampling as plain decoding:
+    ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p``.
+    """
+
+    prompts: str = _f(check=_nonempty)
+    cache: str | None = _f(None, check=_nonempty)
+    max_new_tokens: int = _f(256, check=_ge(1))
+    temperature: float = _f(1.0, check=_ge(0.0))
+    top_k: int = _f(0, check=_ge(0))
+    top_p: float = _f(1.0, check=lambda v: None if 0.0 < v <= 1.0 else f"must be in (0, 1], got {v!r}")
+    batch_size: int = _f(16, check=_ge(1))
+    limit: int | None = _f(None, check=_ge(1), doc="use the first N usable prompts")
+    chat_template: bool = _f(True, doc="render `prompt` rows with the tokenizer's chat template when it has one")
+    seed: int = _f(0, check=_ge(0))
 
 
 @dataclass(frozen=True)
@@ -110,7 +142,8 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run (DESIGN §6). Required: ``target``, ``data``, ``output_dir``, ``max_steps``.
+    """One training run (DESIGN §6). Required: ``target``, ``output_dir``, ``max_steps`` and
+    exactly one of ``data`` / ``rollout``.
 
     Units: steps are optimizer updates; ``seq_len``/``block_size`` are tokens; ``batch_size`` is
     sequences per rank per step; ``num_anchors`` is blocks per sequence (upper bound);
@@ -118,9 +151,10 @@ class TrainConfig:
     """
 
     target: str = _f(check=_nonempty, doc="HF causal LM directory (frozen)")
-    data: str = _f(check=_nonempty, doc=".npy token ids or .jsonl with text / messages")
     output_dir: str = _f(check=_nonempty)
     max_steps: int = _f(check=_ge(1))
+    data: str | None = _f(None, check=_nonempty, doc=".npy token ids or .jsonl with text / messages "
+                                                    "(exactly one of data and rollout)")
     draft_init: str | None = _f(None, doc="z-lab drafter directory to warm start from")
     draft: DraftArchConfig | None = _f(None)
     eval_data: str | None = _f(None)
@@ -153,6 +187,7 @@ class TrainConfig:
     progress: bool = _f(True)
     tensorboard: bool = _f(True)
     loss: LossConfig = _f(factory=LossConfig)
+    rollout: RolloutConfig | None = _f(None)
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -161,10 +196,10 @@ class TrainConfig:
             raise ConfigError("warmup_steps", "set warmup_ratio or warmup_steps, not both")
         if self.draft_init is not None and self.draft is not None:
             raise ConfigError("draft", "set draft_init (warm start) or draft (fresh init), not both")
-        if self.loss.exit.mode != "none":
-            raise NotImplementedError(
-                f"config key 'loss.exit.mode': {self.loss.exit.mode!r} is not implemented yet "
-                "(ExitTrain's tree term comes in a later release); use 'none'")
+        if (self.data is None) == (self.rollout is None):
+            raise ConfigError("data", "set exactly one of data (a token / text file) and rollout "
+                                      "(target responses to prompts)" +
+                              ("; neither is set" if self.data is None else "; both are set"))
         if self.draft is not None and self.draft.target_layer_ids is not None:
             if not self.draft.target_layer_ids or any(i < 0 for i in self.draft.target_layer_ids):
                 raise ConfigError("draft.target_layer_ids",
@@ -355,7 +390,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | TrainConfig | No
     overrides : ``["dotted.key=value", ...]`` or a nested mapping, merged over ``source``.
 
     Raises :class:`ConfigError` (a ``ValueError``) naming the key; ``FileNotFoundError`` for a
-    missing config file; ``NotImplementedError`` naming ``loss.exit.mode`` when it is not ``none``.
+    missing config file.
     """
     if source is None:
         data: dict = {}

@@ -9,7 +9,8 @@ Sources (``data:`` / ``eval_data:`` of the run config):
 * ``.jsonl`` — one object per line with ``text`` (a document; tokenized, EOS appended, every
   token supervised, cut into windows of ``seq_len`` tokens like ``.npy``) or ``messages`` (a chat
   rendered with the tokenizer's chat template; only the assistant turns are supervised;
-  truncated to ``seq_len`` tokens).
+  truncated to ``seq_len`` tokens) or ``prompt_ids`` + ``response_ids`` (a target rollout,
+  :mod:`.rollout`: only the response is supervised; truncated to ``seq_len`` tokens).
 
 Determinism: the sample indices of step ``s`` are a pure function of ``(seed, s)`` (a seeded
 permutation per epoch, :func:`batch_indices`), and so are the anchors (:func:`sample_anchors`
@@ -116,10 +117,19 @@ def _load_jsonl(path: Path, seq_len: int, tokenizer, key: str) -> TokenDataset:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{key}: line {lineno} of {path} is not JSON ({e})") from None
-            if not isinstance(row, dict) or ("text" in row) == ("messages" in row):
+            kinds = [k for k in ("text", "messages", "response_ids") if isinstance(row, dict) and k in row]
+            if len(kinds) != 1:
                 raise ValueError(f"{key}: line {lineno} of {path} must be an object with exactly "
-                                 "one of 'text' or 'messages'")
-            if "text" in row:
+                                 "one of 'text', 'messages' or 'prompt_ids' + 'response_ids' (a rollout)")
+            if "response_ids" in row:
+                p_ids, r_ids = row.get("prompt_ids"), row["response_ids"]
+                if not all(isinstance(x, list) and all(isinstance(t, int) and 0 <= t for t in x)
+                           for x in (p_ids, r_ids)):
+                    raise ValueError(f"{key}: line {lineno}: 'prompt_ids' and 'response_ids' must be "
+                                     "lists of token ids")
+                ids = p_ids + r_ids
+                mask = [False] * len(p_ids) + [True] * len(r_ids)
+            elif "text" in row:
                 if not isinstance(row["text"], str):
                     raise ValueError(f"{key}: line {lineno}: 'text' must be a string")
                 ids = list(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
@@ -140,7 +150,7 @@ def _load_jsonl(path: Path, seq_len: int, tokenizer, key: str) -> TokenDataset:
                 enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
                 ids = list(enc["input_ids"])
                 mask = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
-            # a document is cut into windows of seq_len; a conversation is truncated to one
+            # a document is cut into windows of seq_len; a conversation / rollout is truncated to one
             step = seq_len if "text" in row else max(len(ids), 1)
             for lo in range(0, len(ids), step):
                 w_ids, w_mask = ids[lo:lo + seq_len], mask[lo:lo + seq_len]

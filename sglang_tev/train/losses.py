@@ -13,7 +13,7 @@ Every loss term is a :class:`LossTerm` — a (numerator, denominator) pair of sc
 this rank's items — and :func:`combine_terms` divides each numerator by its denominator summed
 over all ranks (and accumulation steps), so the result is the global weighted mean whatever the
 sharding. ExitTrain's ``exit_loss`` (paper Eq. 14: numerator Σ_v w(v)·(-log q_{d(v)}(x_v)),
-denominator the number of non-root tree nodes, global) plugs in as one more term.
+denominator the number of non-root tree nodes, global) is :func:`exit_loss`, one more term.
 
 Letters: b sequences, S tokens, n anchors per sequence, K block size, H hidden, V vocabulary.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["LossTerm", "decay_weights", "block_inputs", "block_logits", "slot_ce", "token_loss",
-           "combine_terms", "depth_stats", "stats_to_metrics"]
+           "distill_loss", "exit_loss", "combine_terms", "depth_stats", "stats_to_metrics"]
 
 
 class LossTerm(NamedTuple):
@@ -146,6 +146,38 @@ def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor,
     logq = F.log_softmax(logits.float(), dim=-1)
     p = F.softmax(target_logits.detach().float(), dim=-1)
     return _weighted(-(p * logq).sum(-1), weights)
+
+
+def exit_loss(draft_logits: torch.Tensor, tree, weights: torch.Tensor) -> LossTerm:
+    """ExitTrain's tree term (paper Eq. 14, evaluated as App. C.2 Eq. 66-67).
+
+    draft_logits : float ``[b, H, V]`` with grad, the DFlash block logits of b anchors; row
+        ``d-1`` is the position-wise marginal q_d shared by every node at depth d.
+    tree : :class:`~sglang_tev.tree.DraftTree` of those anchors (N nodes, depths <= H).
+    weights : float ``[b, N]``, detached per-node weights (:func:`sglang_tev.train.exit.exit_weights`).
+
+    Numerator ``Σ_v weights[v]·(logsumexp(z_{d(v)}) − z_{d(v), x_v})`` over valid non-root nodes,
+    as ``Σ_rows W_row·logsumexp(z_row) − Σ_v weights[v]·z_{d(v), x_v}`` with ``W_row`` the summed
+    weight of a row's nodes: one log-normaliser per draft row and one gather, never a normalised
+    ``[nodes, V]`` tensor. Denominator: the number of valid non-root nodes (made global over ranks
+    and accumulation steps by :func:`combine_terms`). Computed in float64 for float64 logits, else
+    float32. Raises ``ValueError`` naming ``weights`` or ``tree`` on shape mismatch.
+    """
+    b, H, V = draft_logits.shape
+    if tuple(weights.shape) != tuple(tree.parents.shape) or tree.batch_size != b:
+        raise ValueError(f"weights: expected [{b}, N] matching the tree {tuple(tree.parents.shape)}, "
+                         f"got {tuple(weights.shape)}")
+    if tree.max_depth > H:
+        raise ValueError(f"tree: depth {tree.max_depth} exceeds the {H} draft rows")
+    dt = torch.float64 if draft_logits.dtype == torch.float64 else torch.float32
+    z = draft_logits.to(dt)
+    nonroot = tree.valid & (tree.depth > 0)
+    w = torch.where(nonroot, weights.detach().to(dt), torch.zeros((), dtype=dt, device=z.device))
+    row = (tree.depth - 1).clamp(min=0)                                   # [b, N]
+    row_w = torch.zeros(b, H, dtype=dt, device=z.device).scatter_add_(1, row, w)
+    z_tok = z.reshape(b, H * V).gather(1, row * V + tree.tokens.clamp(0, V - 1))
+    numerator = (row_w * torch.logsumexp(z, dim=-1)).sum() - (w * z_tok).sum()
+    return LossTerm(numerator, nonroot.sum().to(dt))
 
 
 def combine_terms(terms: Sequence[tuple[float, LossTerm]],

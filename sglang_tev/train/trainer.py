@@ -34,13 +34,16 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..hf.runtime import cache_kwargs
 from ..draft.dflash import DFlashConfig, DFlashDraftModel, build_target_layer_ids, \
     extract_context_features, is_dflash_checkpoint
 from .config import ConfigError, DraftArchConfig, TrainConfig, config_to_dict, load_config
 from .data import TokenDataset, anchor_keys, batch_indices, collate, load_dataset, \
     sample_anchors, valid_anchor_positions
+from .exit import anchor_trees, check_tree_support, score_trees, weights_from_law
 from .losses import block_logits, combine_terms, decay_weights, depth_stats, distill_loss, \
-    slot_ce, stats_to_metrics, token_loss
+    exit_loss, slot_ce, stats_to_metrics, token_loss
+from .rollout import cache_path, check_prompt_file, ensure_rollouts
 
 __all__ = ["train", "Trainer", "TrainResult", "evaluate", "load_target", "latest_checkpoint",
            "CHECKPOINT_DIR", "STATE_NAME"]
@@ -73,29 +76,61 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return dev
 
 
-def load_target(path: str | os.PathLike, device: torch.device, dtype: torch.dtype):
-    """Frozen HF causal LM + its tokenizer (None when the directory has none).
-
-    Every parameter gets ``requires_grad=False``; the model is in eval mode. Raises
-    ``FileNotFoundError`` / ``ValueError`` naming ``target``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _check_target_dir(path: str | os.PathLike) -> None:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"target: no model directory at {os.fspath(path)!r}")
     if is_dflash_checkpoint(path):
         raise ValueError(f"target: {os.fspath(path)!r} is a DFlash drafter (z-lab layout), not a target "
                          "model; give it as draft_init")
+
+
+def load_target_config(path: str | os.PathLike):
+    """The target's (text) config without its weights. Raises ``FileNotFoundError`` /
+    ``ValueError`` naming ``target``."""
+    from transformers import AutoConfig
+
+    _check_target_dir(path)
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"target: cannot read a model config in {os.fspath(path)!r}: {e}") from e
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def load_target_tokenizer(path: str | os.PathLike):
+    """The target directory's tokenizer, or None when it has none."""
+    from transformers import AutoTokenizer
+
+    _check_target_dir(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def load_target(path: str | os.PathLike, device: torch.device, dtype: torch.dtype, tokenizer: bool = True):
+    """Frozen HF causal LM + its tokenizer (None when the directory has none or ``tokenizer`` is
+    False).
+
+    Every parameter gets ``requires_grad=False``; the model is in eval mode; transformers'
+    weight-loading progress bar is silenced. Raises ``FileNotFoundError`` / ``ValueError`` naming
+    ``target``.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    _check_target_dir(path)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise ValueError(f"target: cannot load a causal LM from {os.fspath(path)!r}: {e}") from e
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.to(device).eval().requires_grad_(False)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tok = None
-    return model, tok
+    return model, (load_target_tokenizer(path) if tokenizer else None)
 
 
 def _target_text_config(target):
@@ -280,8 +315,19 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def _flatten(d: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _fingerprint(cfg: TrainConfig) -> dict:
-    return {k: v for k, v in config_to_dict(cfg).items() if k not in _RUN_CONTROL_KEYS}
+    """The config keys that change what a step computes, flattened to dotted keys."""
+    return _flatten({k: v for k, v in config_to_dict(cfg).items() if k not in _RUN_CONTROL_KEYS})
 
 
 def _truncate_log(path: Path, step: int) -> None:
@@ -449,18 +495,37 @@ class Trainer:
         use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda")
         self.amp_dtype = torch.bfloat16 if use_bf16 else None
         target_dtype = torch.bfloat16 if (use_bf16 and self.device.type == "cuda") else torch.float32
-        self.target, self.tokenizer = load_target(cfg.target, self.device, target_dtype)
-        max_pos = getattr(_target_text_config(self.target), "max_position_embeddings", None)
+        # Everything cheap is checked before the target's weights load (seconds to minutes).
+        self.tokenizer = load_target_tokenizer(cfg.target)
+        tcfg = load_target_config(cfg.target)
+        max_pos = getattr(tcfg, "max_position_embeddings", None)
         if max_pos is not None and cfg.seq_len > int(max_pos):
             raise ConfigError("seq_len", f"must be <= the target's max_position_embeddings "
                                          f"({int(max_pos)}), got {cfg.seq_len}")
+        self.data = None
+        if cfg.data is not None:
+            self.data = load_dataset(cfg.data, cfg.seq_len, self.tokenizer, key="data")
+        else:
+            check_prompt_file(cfg.rollout.prompts)
+        self.eval_data = None
+        if cfg.eval_data is not None:
+            self.eval_data = load_dataset(cfg.eval_data, cfg.seq_len, self.tokenizer, key="eval_data")
+        self.resume_from = self._find_resume()
+
+        self.target, _ = load_target(cfg.target, self.device, target_dtype, tokenizer=False)
+        if cfg.loss.exit.mode != "none":
+            try:
+                check_tree_support(self.target)
+            except ValueError as e:
+                raise ConfigError("loss.exit.mode", str(e)) from None
         self.embed = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self.decoder = self.target.get_decoder()
         self.sep_ids = _separator_ids(self.target, self.tokenizer)
         self.pad_id = self.sep_ids[0] if self.sep_ids else 0
+        if cfg.rollout is not None:
+            self.data = self._rollout_data()
 
-        self.resume_from = self._find_resume()
         if self.resume_from is not None:
             self.draft = DFlashDraftModel.from_pretrained(self.resume_from / "draft",
                                                           dtype=torch.float32)
@@ -469,10 +534,6 @@ class Trainer:
             self.draft = build_drafter(cfg, self.target, self.tokenizer)
         self.draft.to(self.device).train()
         self.block_size = cfg.block_size or self.draft.config.block_size
-        self.data = load_dataset(cfg.data, cfg.seq_len, self.tokenizer, key="data")
-        self.eval_data = None
-        if cfg.eval_data is not None:
-            self.eval_data = load_dataset(cfg.eval_data, cfg.seq_len, self.tokenizer, key="eval_data")
         if cfg.seq_len < self.block_size + 1:
             raise ConfigError("seq_len", f"must be >= block_size + 1 = {self.block_size + 1}")
 
@@ -499,6 +560,18 @@ class Trainer:
         self._tb = None
 
     # -- resume -------------------------------------------------------------------------------
+    def _rollout_data(self) -> TokenDataset:
+        """Target responses to ``rollout.prompts`` (generated by rank 0 once, cached), as data."""
+        cfg = self.cfg
+        if self.is_main:
+            ensure_rollouts(self.target, self.tokenizer, cfg.rollout, cfg.target, self.out,
+                                   self.device, progress=cfg.progress)
+        if self.dist.enabled:
+            import torch.distributed as dist
+            dist.barrier()
+        path = cache_path(cfg.rollout, self.out)
+        return load_dataset(path, cfg.seq_len, self.tokenizer, key="rollout.cache")
+
     def _find_resume(self) -> Path | None:
         cfg = self.cfg
         if cfg.resume == "never":
@@ -519,13 +592,19 @@ class Trainer:
         if st.get("version") != STATE_VERSION:
             raise ValueError(f"resume: {path} has trainer state version {st.get('version')}, "
                              f"expected {STATE_VERSION}")
-        mine = _fingerprint(self.cfg)
-        diff = sorted(k for k in set(mine) | set(st["fingerprint"])
-                      if mine.get(k) != st["fingerprint"].get(k))
-        if diff:
-            changes = ", ".join(f"{k}: {st['fingerprint'].get(k)!r} -> {mine.get(k)!r}" for k in diff)
-            raise ConfigError(diff[0], f"differs from the checkpoint {path} ({changes}); use "
-                                       "another output_dir to start a new run")
+        mine, theirs = _fingerprint(self.cfg), _flatten(st["fingerprint"])
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        extend = diff == ["max_steps"] and mine["max_steps"] > int(st["step"])
+        if diff and not extend:
+            changes = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in diff)
+            if diff == ["max_steps"]:
+                hint = (f"max_steps may only grow past the checkpoint's step {int(st['step'])} "
+                        "(the run then continues with the schedule re-derived)")
+            else:
+                hint = (f"a run resumes with the config it started with; to continue from this "
+                        f"drafter under new settings, start a new output_dir with "
+                        f"draft_init={path / 'draft'}")
+            raise ConfigError(diff[0], f"differs from the checkpoint {path} ({changes}): {hint}")
         if st["threads"] != self.threads and not self.cfg.allow_thread_change:
             raise ConfigError("threads", f"checkpoint {path} was written with {st['threads']} "
                                          f"threads, this run uses {self.threads}: CPU float results "
@@ -538,6 +617,15 @@ class Trainer:
         self.scheduler.load_state_dict(st["scheduler"])
         _set_rng_state(st["rng"])
         self.step = int(st["step"])
+        if extend:  # HF Trainer semantics: more steps on the same run, LR schedule over the new total
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.scheduler.lr_lambdas[0](self.step) * g["initial_lr"]
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+            if self.is_main:
+                print(f"[sglang_tev.train] max_steps {theirs['max_steps']} -> {mine['max_steps']}: "
+                      f"continuing from step {self.step} with the LR schedule (warmup "
+                      f"{self.cfg.warmup} steps, cosine) re-derived for {mine['max_steps']} steps",
+                      file=sys.stderr)
 
     def _state(self) -> dict:
         return {"version": STATE_VERSION, "step": self.step,
@@ -547,11 +635,30 @@ class Trainer:
                 "torch": torch.__version__}
 
     # -- one step -----------------------------------------------------------------------------
-    def _features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(context features ``[b, S, n*H]``, final-normed last hidden state ``[b, S, H]``)."""
-        out = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
+    def _features(self, ids: torch.Tensor, keep_kv: bool = False):
+        """(context features ``[b, S, n*H]``, final-normed last hidden state ``[b, S, H]``, the
+        sequence's KV cache when ``keep_kv`` else None) of one frozen target forward."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache() if keep_kv else None
+        kv = cache_kwargs(self.decoder, cache) if keep_kv else {}
+        out = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=keep_kv, **kv)
         feats = extract_context_features(out.hidden_states, self.draft.config.target_layer_ids)
-        return feats.detach(), out.last_hidden_state.detach()
+        return feats.detach(), out.last_hidden_state.detach(), cache
+
+    def _tree_rows(self, seq_cache):
+        """``forward_rows`` of :func:`~.exit.score_trees`: the target decoder over extra query rows
+        on top of the sequence's KV. Each call gets a fresh cache holding copies of the sequence
+        K/V, so no call sees (or keeps) another's rows and the sequence cache is never cropped."""
+        from transformers import DynamicCache
+
+        def forward_rows(tokens, positions, mask):
+            cache = DynamicCache()
+            for i, layer in enumerate(seq_cache.layers):
+                cache.update(layer.keys, layer.values, i)
+            return self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                use_cache=True, **cache_kwargs(self.decoder, cache)).last_hidden_state
+        return forward_rows
 
     def _target_logits(self, last_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The target's logits for the label of slot k of each block: position ``a + k - 1``
@@ -562,10 +669,39 @@ class Trainer:
         h = last_hidden.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, H))
         return self.lm_head(h).reshape(*pos.shape, -1)
 
+    def _exit_term(self, logits, ids, anchors, keep, last_hidden, seq_cache, amp, times):
+        """ExitTrain's term (paper Eq. 14) and its diagnostics ``[Σ C_p, Σ w(root), trees]``."""
+        ecfg = self.cfg.loss.exit
+        b, n, H, V = logits.shape
+        draft = logits.reshape(b * n, H, V)
+        t = time.perf_counter()
+        tree = anchor_trees(draft, ecfg.budget, ids.gather(1, anchors).reshape(-1), keep.reshape(-1))
+        times["build"] = time.perf_counter() - t
+        t = time.perf_counter()
+        mask_dtype = self.amp_dtype or next(self.target.parameters()).dtype
+        with torch.no_grad(), torch.autocast(**amp):
+            law = score_trees(self._tree_rows(seq_cache), self.lm_head, last_hidden, tree, anchors,
+                              ecfg.anchors_per_forward, mask_dtype)
+        times["tree_forward"] = time.perf_counter() - t
+        weights = weights_from_law(tree, law, ecfg.mode, ecfg.include_horizon_leaves, horizon=H)
+        kept = keep.reshape(-1)
+        diag = torch.stack([law.coverage[kept].sum(), law.w[kept, 0].sum(), kept.sum()]).double()
+        return exit_loss(draft, tree, weights), diag
+
     def train_step(self) -> dict:
-        """One optimizer step at ``self.step``; returns its log record (global over ranks)."""
+        """One optimizer step at ``self.step``; returns its log record (global over ranks).
+
+        Record: ``loss`` (the optimised total), ``loss_tok`` / ``loss_distill`` / ``loss_exit``
+        (each term's global mean, present when its weight is > 0; ``loss_tok`` always), per-depth
+        ``acc``, ``lr``, ``grad_norm``, ``anchors``, ``tokens_per_s``, the step's wall time split
+        in ms (``ms_draft``: target + drafter forwards and dense losses, ``ms_build``,
+        ``ms_tree_forward``, ``ms_backward``: backward + optimizer) and, with the exit term, the
+        training trees' mean coverage C_p, mean w(root) and ``est_tau`` = 1 + C_p.
+        """
         cfg, dev, K = self.cfg, self.device, self.block_size
+        use_exit = cfg.loss.exit.mode != "none"
         t0 = time.perf_counter()
+        times: dict[str, float] = {}
         idx = batch_indices(self.step, cfg.batch_size, len(self.data), cfg.seed,
                             self.dist.rank, self.dist.world_size)
         ids, lmask = collate(self.data, idx, self.pad_id)
@@ -573,7 +709,7 @@ class Trainer:
         amp = dict(device_type=dev.type, dtype=self.amp_dtype or torch.bfloat16,
                    enabled=self.amp_dtype is not None)
         with torch.no_grad(), torch.autocast(**amp):
-            features, last_hidden = self._features(ids)
+            features, last_hidden, seq_cache = self._features(ids, keep_kv=use_exit)
         valid = valid_anchor_positions(ids, lmask, K, self.sep_ids)
         keys = anchor_keys(cfg.seed, self.step, cfg.batch_size, cfg.seq_len, self.dist.rank)
         anchors, keep = sample_anchors(valid, cfg.num_anchors, keys)
@@ -582,13 +718,19 @@ class Trainer:
                                           ids, anchors, keep, K, self.draft.config.mask_token_id)
         ce = slot_ce(logits, labels)                                   # [b, n, K-1]
         weights = keep[..., None].float() * self.decay
-        term = token_loss(logits, labels, weights, ce=ce)
-        terms = [(cfg.loss.token_weight, term)]
+        tok = token_loss(logits, labels, weights, ce=ce)
+        terms = {"tok": (cfg.loss.token_weight, tok)}
         if cfg.loss.distill_weight:
             with torch.no_grad(), torch.autocast(**amp):
                 target_logits = self._target_logits(last_hidden, anchors)
-            terms.append((cfg.loss.distill_weight, distill_loss(logits, target_logits, weights)))
-        loss, (den, *_) = combine_terms(terms, self.dist.all_reduce, self.dist.world_size)
+            terms["distill"] = (cfg.loss.distill_weight, distill_loss(logits, target_logits, weights))
+        times["draft"] = time.perf_counter() - t0
+        diag = torch.zeros(3, dtype=torch.float64, device=dev)
+        if use_exit:
+            ex, diag = self._exit_term(logits, ids, anchors, keep, last_hidden, seq_cache, amp, times)
+            terms["exit"] = (cfg.loss.exit.lambda_, ex)
+        t = time.perf_counter()
+        loss, dens = combine_terms(list(terms.values()), self.dist.all_reduce, self.dist.world_size)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
@@ -597,15 +739,26 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        stats = torch.cat([depth_stats(logits.detach(), labels, keep, ce=ce.detach()),
-                           term.numerator.detach().double()[None]])
+        times["backward"] = time.perf_counter() - t
+        nums = torch.stack([term.numerator.detach().double() for _, term in terms.values()])
+        stats = torch.cat([depth_stats(logits.detach(), labels, keep, ce=ce.detach()), nums, diag])
         self.dist.all_reduce(stats)
-        m = stats_to_metrics(stats[:-1])
+        m = stats_to_metrics(stats[:-3 - len(terms)])
+        term_means = {name: float(num) / d if d else 0.0
+                      for name, num, d in zip(terms, stats[-3 - len(terms):-3].tolist(), dens)}
         dt = time.perf_counter() - t0
-        return {"step": self.step, "loss": float(stats[-1]) / den if den else 0.0,
-                "acc": m["acc"], "lr": lr, "grad_norm": float(grad_norm),
-                "anchors": m["anchors"],
-                "tokens_per_s": round(ids.numel() * self.dist.world_size / dt, 1)}
+        rec = {"step": self.step,
+               "loss": sum(lam * term_means[k] for k, (lam, _) in terms.items()),
+               **{f"loss_{k}": v for k, v in term_means.items() if k == "tok" or terms[k][0]},
+               "acc": m["acc"], "lr": lr, "grad_norm": float(grad_norm),
+               "anchors": m["anchors"],
+               "tokens_per_s": round(ids.numel() * self.dist.world_size / dt, 1),
+               **{f"ms_{k}": round(v * 1e3, 2) for k, v in times.items()}}
+        if use_exit:
+            c_sum, w_root, trees = stats[-3:].tolist()
+            rec.update(coverage=c_sum / trees if trees else 0.0, w_root=w_root / trees if trees else 0.0,
+                       est_tau=1.0 + (c_sum / trees if trees else 0.0))
+        return rec
 
     # -- loop ---------------------------------------------------------------------------------
     def _tensorboard(self):
@@ -656,8 +809,9 @@ class Trainer:
                         log.flush()
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc'][0]:.3f}")
                         if tb is not None:
-                            for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                                tb.add_scalar(f"train/{k}", rec[k], self.step)
+                            for k, v in rec.items():
+                                if k not in ("step", "acc", "anchors"):
+                                    tb.add_scalar(f"train/{k}", v, self.step)
                             for d, a in enumerate(rec["acc"], 1):
                                 tb.add_scalar(f"train/acc_d{d}", a, self.step)
                     if cfg.eval_every and self.eval_data is not None and self.is_main and \

@@ -1,0 +1,219 @@
+"""ExitTrain's tree side (paper §5, App. C; DESIGN §6): the drafter's own inference trees per
+training anchor, scored by the frozen target under their real tree-parent contexts.
+
+Per step, for the anchors ``a`` of a batch (the block root is ``x_a``, as at inference):
+
+1. :func:`anchor_trees` — ``build_ddtree`` on the detached DFlash block logits (the same builder
+   and budget as inference); trees of invalid anchors are cut to their root;
+2. :func:`score_trees` — ONE frozen-target pass per chunk of anchors that reuses the KV of the
+   sequence forward: every non-root node is an extra query row at position ``a + depth(v)`` that
+   sees ``x[0..a]`` and its tree ancestors (itself included); the root's row is the sequence's own
+   row at ``a``. Returns the canonical exit law (:func:`sglang_tev.tree.exit_law`) of every tree
+   under the target law at temperature 1, never a ``[trees, N, V]`` tensor of all anchors at once;
+3. :func:`exit_weights` / :func:`weights_from_law` — the detached per-node weights of
+   :func:`sglang_tev.train.losses.exit_loss` (``exit``: ``w(v) = P(v)·rho(v)``; ``prefix``:
+   reachability ``P(v)`` rescaled to the same total).
+
+The tree code is the core's (``build_ddtree``, ``exit_law``, ``DraftTree.ancestor_mask``).
+Letters: b sequences, S tokens, n anchors per sequence, T = b·n trees, N = 1 + budget nodes,
+H draft rows (depths 1..H), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from ..draft.ddtree import build_ddtree
+from ..tree import DraftTree, ExitLaw, exit_law
+
+__all__ = ["EXIT_MODES", "exit_weights", "weights_from_law", "anchor_trees", "take_trees",
+           "tree_query_mask", "score_trees", "check_tree_support", "default_anchors_per_forward"]
+
+EXIT_MODES = ("exit", "prefix")
+
+
+def weights_from_law(tree: DraftTree, law: ExitLaw, mode: str, include_horizon_leaves: bool = True,
+                     horizon: int | None = None) -> torch.Tensor:
+    """Per-node weights of the exit-guided loss from an already computed exit law.
+
+    Args:
+        tree: the draft trees (N nodes).
+        law: ``exit_law(tree, p)``.
+        mode: ``"exit"``: ``w(v)`` (paper Eq. 14); ``"prefix"``: the reachability control of
+            §6.2, ``P(v)`` rescaled per tree so that it sums to what the exit weights sum to over
+            the same nodes — ``(1 - w(root)) / C_p`` with every node included.
+        include_horizon_leaves: False zeroes the nodes at depth ``horizon`` (hard-horizon leaves,
+            where ``rho = 1`` makes ``w = P``: "deep reach" credit rather than missing coverage).
+        horizon: the maximum draft depth H; required when ``include_horizon_leaves`` is False.
+    Returns:
+        float [b, N] (the law's dtype), detached; 0 at the root and at padded nodes.
+    Raises:
+        ValueError naming ``mode`` or ``horizon``.
+    """
+    if mode not in EXIT_MODES:
+        raise ValueError(f"mode must be one of {EXIT_MODES}, got {mode!r}")
+    keep = tree.valid & (tree.depth > 0)
+    if not include_horizon_leaves:
+        if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
+            raise ValueError(f"horizon must be an int >= 1 when include_horizon_leaves is False, got {horizon!r}")
+        keep = keep & (tree.depth != horizon)
+    zero = torch.zeros_like(law.w)
+    w = torch.where(keep, law.w, zero).detach()
+    if mode == "exit":
+        return w
+    P = torch.where(keep, law.P, zero).detach()
+    p_sum, w_sum = P.sum(1, keepdim=True), w.sum(1, keepdim=True)
+    scale = torch.where(p_sum > 0, w_sum / torch.where(p_sum > 0, p_sum, torch.ones_like(p_sum)), zero[:, :1])
+    return P * scale
+
+
+def exit_weights(tree: DraftTree, target_probs: torch.Tensor, mode: str, include_horizon_leaves: bool = True,
+                 horizon: int | None = None) -> torch.Tensor:
+    """Detached per-node weights of ExitTrain's loss (paper Eq. 13-14, §6.2).
+
+    Args:
+        tree: the draft trees, N nodes (node 0 the root).
+        target_probs: float [b, N, V], the target law at every node (ExitTrain uses temperature 1).
+        mode, include_horizon_leaves, horizon: as :func:`weights_from_law`.
+    Returns:
+        float [b, N] (float64 for float64 input, else float32), no grad. The root's weight is 0
+        (it has no incoming draft edge); ``exit`` weights over non-root nodes sum to
+        ``1 - w(root)``, ``prefix`` weights to the same total.
+    Raises:
+        ValueError naming the argument (``target_probs`` shape/device, ``mode``, ``horizon``).
+    """
+    with torch.no_grad():
+        law = exit_law(tree, target_probs.detach())
+    return weights_from_law(tree, law, mode, include_horizon_leaves, horizon)
+
+
+def take_trees(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
+    """The trees at rows ``idx`` (int64 [m]) of a batch, as a new :class:`DraftTree`."""
+    return DraftTree(tree.parents[idx], tree.tokens[idx], tree.valid[idx], tree.depth[idx],
+                     tree.ancestor_mask[idx], tree.max_depth)
+
+
+def anchor_trees(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> DraftTree:
+    """The drafter's inference trees for a batch of anchors (no grad).
+
+    Args:
+        draft_logits: float [T, H, V], DFlash block logits, row d-1 = depth d (detached here).
+        budget: non-root nodes per tree (the inference budget B).
+        root_tokens: int64 [T], ``x_a`` per anchor.
+        keep: bool [T] or None; a False anchor's tree is cut to its root (no valid non-root node,
+            so it adds nothing to the loss or its denominator).
+    Returns:
+        :class:`DraftTree` with N = 1 + budget.
+    """
+    with torch.no_grad():
+        tree = build_ddtree(draft_logits.detach().float(), budget, root_tokens, validate=False)
+    if keep is None:
+        return tree
+    valid = tree.valid & keep[:, None]
+    valid[:, 0] = True
+    parents = torch.where(valid, tree.parents, torch.zeros_like(tree.parents))
+    parents[:, 0] = -1
+    return DraftTree.from_parents(parents, tree.tokens, valid, validate=False)
+
+
+def tree_query_mask(tree: DraftTree, anchors: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Attention mask of the tree rows over ``[sequence (S) | tree rows]`` (bool, True = attend).
+
+    Args:
+        tree: the trees of ``c`` anchors per sequence for ``b`` sequences, row ``bi*c + j`` the
+            tree of ``anchors[bi, j]``; N nodes each.
+        anchors: int64 [b, c].
+        seq_len: S.
+    Returns:
+        bool [b, 1, c*(N-1), S + c*(N-1)]. Row (j, v) (non-root node v of anchor j) sees sequence
+        columns ``0..a_j`` (the root ``x_a`` and its context) and the non-root nodes of its own
+        tree that are ancestors of v or v itself; other anchors' trees never.
+    """
+    b, c = anchors.shape
+    n = tree.num_nodes - 1
+    dev = anchors.device
+    ctx = torch.arange(seq_len, device=dev) <= anchors[..., None]                  # [b, c, S]
+    ctx = ctx[:, :, None, :].expand(b, c, n, seq_len).reshape(b, c * n, seq_len)
+    anc = tree.ancestor_mask[:, 1:, 1:].reshape(b, c, n, n)                         # [b, c, n, n]
+    eye = torch.eye(c, dtype=torch.bool, device=dev)
+    blocks = anc[:, :, :, None, :] & eye[None, :, None, :, None]                    # [b, c, n, c, n]
+    return torch.cat([ctx, blocks.reshape(b, c * n, c * n)], -1)[:, None]
+
+
+def default_anchors_per_forward(batch: int, seq_len: int, budget: int, max_mask_elements: int = 1 << 26) -> int:
+    """Anchors per tree forward so that the additive mask ``b x R x (S + R)`` (R = c·B rows)
+    stays under ``max_mask_elements`` (default 64 Mi elements: 256 MiB in float32); at least 1."""
+    # largest R with R * (S + R) <= M / b, then whole anchors of B rows each
+    r = (-seq_len + math.sqrt(seq_len * seq_len + 4 * max_mask_elements / batch)) / 2
+    return max(1, int(r // max(budget, 1)))
+
+
+def check_tree_support(target) -> None:
+    """Raise ``ValueError`` when ``target`` cannot score trees with a custom 4-D mask over a reused
+    KV cache: sliding-window or non-full attention layers (the mask has no window and the cache
+    would keep only the window), or an attention implementation that ignores 4-D masks."""
+    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    types = getattr(cfg, "layer_types", None) or []
+    bad = sorted({t for t in types if t != "full_attention"})
+    if bad or getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        raise ValueError(f"target: its attention layers {bad or ['sliding window']} cannot take ExitTrain's "
+                         "tree mask over the sequence's KV cache; use a full-attention target or loss.exit.mode=none")
+    impl = getattr(target.config, "_attn_implementation", None)
+    if impl not in (None, "sdpa", "eager"):
+        raise ValueError(f"target: attention implementation {impl!r} does not take a 4-D tree mask; "
+                         "load it with sdpa or eager")
+
+
+@torch.no_grad()
+def score_trees(
+    forward_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    last_hidden: torch.Tensor,
+    tree: DraftTree,
+    anchors: torch.Tensor,
+    anchors_per_forward: int | None = None,
+    mask_dtype: torch.dtype = torch.float32,
+) -> ExitLaw:
+    """Exit law of every anchor's tree under the frozen target at temperature 1 (DESIGN §6).
+
+    Args:
+        forward_rows: ``(tokens int64 [b, R], positions int64 [b, R], mask float [b, 1, R, S + R])
+            -> final-normed hidden [b, R, H]`` — the target decoder over extra query rows that reuse
+            the sequence forward's KV (keys 0..S-1) and see each other per ``mask``; must not keep
+            the rows' KV (see ``Trainer._tree_rows``).
+        lm_head: the target's LM head.
+        last_hidden: [b, S, H], the sequence forward's final-normed hidden states (the root of
+            anchor a is scored by row a).
+        tree: trees of all anchors, row ``bi*n + j`` for ``anchors[bi, j]``; N nodes.
+        anchors: int64 [b, n].
+        anchors_per_forward: chunk size c over anchors (None: :func:`default_anchors_per_forward`).
+        mask_dtype: dtype of the additive mask (the target's compute dtype).
+    Returns:
+        :class:`ExitLaw` with [T, N] tensors (float32), T = b·n.
+    """
+    b, n = anchors.shape
+    S, N = last_hidden.shape[1], tree.num_nodes
+    c = anchors_per_forward or default_anchors_per_forward(b, S, N - 1)
+    dev = anchors.device
+    root_logits = lm_head(last_hidden.gather(1, anchors[..., None].expand(b, n, last_hidden.shape[-1])))  # [b, n, V]
+    parts = []
+    for j0 in range(0, n, c):
+        j1 = min(n, j0 + c)
+        m = j1 - j0
+        rows = (torch.arange(b, device=dev)[:, None] * n + torch.arange(j0, j1, device=dev)).reshape(-1)
+        sub = take_trees(tree, rows)
+        anc = anchors[:, j0:j1]
+        tokens = sub.tokens[:, 1:].reshape(b, m * (N - 1))
+        positions = (anc[..., None] + sub.depth[:, 1:].reshape(b, m, N - 1)).reshape(b, m * (N - 1))
+        allowed = tree_query_mask(sub, anc, S)
+        mask = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+        hidden = forward_rows(tokens, positions, mask)                                   # [b, m*(N-1), H]
+        logits = torch.cat([root_logits[:, j0:j1, None], lm_head(hidden).reshape(b, m, N - 1, -1)], 2)
+        probs = torch.softmax(logits.float(), dim=-1).reshape(b * m, N, -1)
+        parts.append((rows, exit_law(sub, probs, validate=False)))
+    order = torch.cat([r for r, _ in parts]).argsort()
+    return ExitLaw(*(torch.cat([getattr(law, f) for _, law in parts])[order] for f in ("P", "rho", "w", "coverage")))
