@@ -30,7 +30,8 @@ from ..draft.ddtree import build_ddtree
 from ..tree import DraftTree, ExitLaw, exit_law
 
 __all__ = ["EXIT_MODES", "exit_weights", "weights_from_law", "anchor_trees", "take_trees",
-           "tree_query_mask", "score_trees", "check_tree_support", "default_anchors_per_forward"]
+           "tree_query_mask", "kv_reuse_forward", "iter_tree_logits", "score_trees",
+           "check_tree_support", "default_anchors_per_forward"]
 
 EXIT_MODES = ("exit", "prefix")
 
@@ -145,11 +146,14 @@ def tree_query_mask(tree: DraftTree, anchors: torch.Tensor, seq_len: int) -> tor
 
 
 def default_anchors_per_forward(batch: int, seq_len: int, budget: int, max_mask_elements: int = 1 << 26) -> int:
-    """Anchors per tree forward so that the additive mask ``b x R x (S + R)`` (R = c·B rows)
-    stays under ``max_mask_elements`` (default 64 Mi elements: 256 MiB in float32); at least 1."""
+    """Anchors per tree forward (at least 1): tree rows per forward at most ``seq_len`` (the
+    masked attention then costs at most twice the sequence's own columns per row), and the
+    additive mask ``b x R x (S + R)`` (R = c·B rows) under ``max_mask_elements`` (default 64 Mi
+    elements: 256 MiB in float32)."""
     # largest R with R * (S + R) <= M / b, then whole anchors of B rows each
     r = (-seq_len + math.sqrt(seq_len * seq_len + 4 * max_mask_elements / batch)) / 2
-    return max(1, int(r // max(budget, 1)))
+    b = max(budget, 1)
+    return max(1, min(int(r // b), seq_len // b))
 
 
 def check_tree_support(target) -> None:
@@ -168,8 +172,28 @@ def check_tree_support(target) -> None:
                          "load it with sdpa or eager")
 
 
+def kv_reuse_forward(decoder, seq_cache) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``forward_rows`` for :func:`score_trees` on a transformers decoder (``model.get_decoder()``).
+
+    seq_cache: the ``DynamicCache`` of the sequence forward (keys 0..S-1). Each call runs the
+    decoder over the extra query rows on a fresh cache holding copies of the sequence K/V, so no
+    call sees (or keeps) another's rows and the sequence cache is never cropped.
+    """
+    from transformers import DynamicCache
+
+    from ..hf.runtime import cache_kwargs
+
+    def forward_rows(tokens, positions, mask):
+        cache = DynamicCache()
+        for i, layer in enumerate(seq_cache.layers):
+            cache.update(layer.keys, layer.values, i)
+        return decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                       **cache_kwargs(decoder, cache)).last_hidden_state
+    return forward_rows
+
+
 @torch.no_grad()
-def score_trees(
+def iter_tree_logits(
     forward_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     last_hidden: torch.Tensor,
@@ -177,30 +201,30 @@ def score_trees(
     anchors: torch.Tensor,
     anchors_per_forward: int | None = None,
     mask_dtype: torch.dtype = torch.float32,
-) -> ExitLaw:
-    """Exit law of every anchor's tree under the frozen target at temperature 1 (DESIGN §6).
+):
+    """Target logits of every tree node, one chunk of anchors per target forward (DESIGN §6).
 
     Args:
         forward_rows: ``(tokens int64 [b, R], positions int64 [b, R], mask float [b, 1, R, S + R])
-            -> final-normed hidden [b, R, H]`` — the target decoder over extra query rows that reuse
-            the sequence forward's KV (keys 0..S-1) and see each other per ``mask``; must not keep
-            the rows' KV (see ``Trainer._tree_rows``).
+            -> final-normed hidden [b, R, H]``: the target decoder over extra query rows that reuse
+            the sequence forward's KV (keys 0..S-1) and must not keep the rows' KV
+            (:func:`kv_reuse_forward`).
         lm_head: the target's LM head.
-        last_hidden: [b, S, H], the sequence forward's final-normed hidden states (the root of
-            anchor a is scored by row a).
+        last_hidden: [b, S, H], the sequence forward's final-normed hidden states; the root of
+            anchor a is scored by row a (its prediction of x_{a+1}).
         tree: trees of all anchors, row ``bi*n + j`` for ``anchors[bi, j]``; N nodes.
         anchors: int64 [b, n].
         anchors_per_forward: chunk size c over anchors (None: :func:`default_anchors_per_forward`).
         mask_dtype: dtype of the additive mask (the target's compute dtype).
-    Returns:
-        :class:`ExitLaw` with [T, N] tensors (float32), T = b·n.
+    Yields:
+        ``(rows int64 [b*c], trees DraftTree [b*c, N], logits [b*c, N, V])`` per chunk: node v of
+        the tree of anchor a is scored on ``x[0..a] ‖ π(v)`` at position ``a + depth(v)``.
     """
     b, n = anchors.shape
     S, N = last_hidden.shape[1], tree.num_nodes
     c = anchors_per_forward or default_anchors_per_forward(b, S, N - 1)
     dev = anchors.device
     root_logits = lm_head(last_hidden.gather(1, anchors[..., None].expand(b, n, last_hidden.shape[-1])))  # [b, n, V]
-    parts = []
     for j0 in range(0, n, c):
         j1 = min(n, j0 + c)
         m = j1 - j0
@@ -213,7 +237,21 @@ def score_trees(
         mask = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(~allowed, torch.finfo(mask_dtype).min)
         hidden = forward_rows(tokens, positions, mask)                                   # [b, m*(N-1), H]
         logits = torch.cat([root_logits[:, j0:j1, None], lm_head(hidden).reshape(b, m, N - 1, -1)], 2)
-        probs = torch.softmax(logits.float(), dim=-1).reshape(b * m, N, -1)
-        parts.append((rows, exit_law(sub, probs, validate=False)))
+        yield rows, sub, logits.reshape(b * m, N, -1)
+
+
+@torch.no_grad()
+def score_trees(forward_rows, lm_head, last_hidden: torch.Tensor, tree: DraftTree, anchors: torch.Tensor,
+                anchors_per_forward: int | None = None, mask_dtype: torch.dtype = torch.float32) -> ExitLaw:
+    """Exit law of every anchor's tree under the frozen target at temperature 1 (paper §5).
+
+    Arguments as :func:`iter_tree_logits`; the law of each chunk is computed as soon as its
+    logits exist (``exit_law`` on softmax in float32), so at most one chunk's ``[b*c, N, V]``
+    is alive. Returns :class:`ExitLaw` with [T, N] tensors (coverage [T]), T = b·n, row order of
+    ``tree``.
+    """
+    parts = [(rows, exit_law(sub, torch.softmax(logits.float(), dim=-1), validate=False))
+             for rows, sub, logits in iter_tree_logits(forward_rows, lm_head, last_hidden, tree, anchors,
+                                                       anchors_per_forward, mask_dtype)]
     order = torch.cat([r for r, _ in parts]).argsort()
     return ExitLaw(*(torch.cat([getattr(law, f) for _, law in parts])[order] for f in ("P", "rho", "w", "coverage")))

@@ -40,7 +40,7 @@ from ..draft.dflash import DFlashConfig, DFlashDraftModel, build_target_layer_id
 from .config import ConfigError, DraftArchConfig, TrainConfig, config_to_dict, load_config
 from .data import TokenDataset, anchor_keys, batch_indices, collate, load_dataset, \
     sample_anchors, valid_anchor_positions
-from .exit import anchor_trees, check_tree_support, score_trees, weights_from_law
+from .exit import anchor_trees, check_tree_support, kv_reuse_forward, score_trees, weights_from_law
 from .losses import block_logits, combine_terms, decay_weights, depth_stats, distill_loss, \
     exit_loss, slot_ce, stats_to_metrics, token_loss
 from .rollout import cache_path, check_prompt_file, ensure_rollouts
@@ -646,20 +646,6 @@ class Trainer:
         feats = extract_context_features(out.hidden_states, self.draft.config.target_layer_ids)
         return feats.detach(), out.last_hidden_state.detach(), cache
 
-    def _tree_rows(self, seq_cache):
-        """``forward_rows`` of :func:`~.exit.score_trees`: the target decoder over extra query rows
-        on top of the sequence's KV. Each call gets a fresh cache holding copies of the sequence
-        K/V, so no call sees (or keeps) another's rows and the sequence cache is never cropped."""
-        from transformers import DynamicCache
-
-        def forward_rows(tokens, positions, mask):
-            cache = DynamicCache()
-            for i, layer in enumerate(seq_cache.layers):
-                cache.update(layer.keys, layer.values, i)
-            return self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                use_cache=True, **cache_kwargs(self.decoder, cache)).last_hidden_state
-        return forward_rows
-
     def _target_logits(self, last_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The target's logits for the label of slot k of each block: position ``a + k - 1``
         (teacher-forced), ``[b, n, K-1, V]``. Positions past the sequence are clamped; their
@@ -680,7 +666,7 @@ class Trainer:
         t = time.perf_counter()
         mask_dtype = self.amp_dtype or next(self.target.parameters()).dtype
         with torch.no_grad(), torch.autocast(**amp):
-            law = score_trees(self._tree_rows(seq_cache), self.lm_head, last_hidden, tree, anchors,
+            law = score_trees(kv_reuse_forward(self.decoder, seq_cache), self.lm_head, last_hidden, tree, anchors,
                               ecfg.anchors_per_forward, mask_dtype)
         times["tree_forward"] = time.perf_counter() - t
         weights = weights_from_law(tree, law, ecfg.mode, ecfg.include_horizon_leaves, horizon=H)
