@@ -1,17 +1,21 @@
-"""Drafter training (DESIGN §6): the dense DFlash objective on a frozen target.
+"""Drafter training (DESIGN §6): the dense DFlash objective and ExitTrain's exit-guided tree
+term (paper §5) on a frozen target, on fixed data or the target's own rollouts.
 
     python -m sglang_tev.train --config run.yaml [key=value ...]
 
 Python API: :func:`train` (config path / mapping / :class:`TrainConfig` + overrides) ->
 :class:`TrainResult`; :func:`evaluate` (held-out per-depth accuracy and CE);
-:func:`load_config` (validated config). ExitTrain's tree term (``loss.exit.mode``) is not
-implemented yet. Docs: ``docs/training.md``.
+:func:`load_config` (validated config); :func:`exit_weights` / :func:`exit_loss` (ExitTrain's
+weights and loss). Docs: ``docs/training.md``, ``docs/exittrain.md``.
 """
 
-from .config import ConfigError, DraftArchConfig, ExitLossConfig, LossConfig, TrainConfig, load_config
+from .config import (ConfigError, DraftArchConfig, ExitLossConfig, LossConfig, RolloutConfig, TrainConfig,
+                     load_config)
+from .exit import exit_weights
+from .losses import exit_loss
 from .data import load_dataset
 from .trainer import TrainResult, Trainer, evaluate, latest_checkpoint, load_target, train
 
 __all__ = ["train", "evaluate", "load_config", "load_dataset", "load_target", "latest_checkpoint",
            "Trainer", "TrainResult", "TrainConfig", "DraftArchConfig", "LossConfig",
-           "ExitLossConfig", "ConfigError"]
+           "ExitLossConfig", "RolloutConfig", "ConfigError", "exit_weights", "exit_loss"]

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError, NotImplementedError) as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         res = train(cfg)
-    except (ConfigError, FileNotFoundError, NotImplementedError) as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

@@ -7,6 +7,7 @@ One step::
     anchors, keep   = sample_anchors(valid_anchor_positions(...), num_anchors, keys(seed, s))
     logits, labels  = drafter.forward_train on [x_a, MASK x (K-1)] blocks -> target lm_head
     loss            = Σ w_k CE / Σ w_k over valid slots (global over ranks; losses.py)
+                      [+ distillation term] [+ λ · L_exit on the drafter's own trees (exit.py)]
     AdamW step (drafter parameters only), cosine schedule with warmup, grad clipping
 
 The target (embedding and LM head included) is frozen: ``requires_grad=False`` and never in the
@@ -858,7 +859,7 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = N
     ``output_dir`` (``resume: auto``). Raises :class:`ConfigError` naming the key for invalid
     settings (also a config that differs from the checkpoint being resumed, or another thread
     count), ``FileNotFoundError`` / ``ValueError`` naming ``target`` / ``data`` / ``draft_init``
-    for unusable inputs, ``NotImplementedError`` for ``loss.exit.mode != none``.
+    for unusable inputs (also ``rollout.prompts`` / ``rollout.cache``).
     """
     cfg = load_config(config, overrides)
     trainer = Trainer(cfg)
