@@ -8,10 +8,7 @@ real tokenizer). Every run uses 1 thread, so CPU results are bit-reproducible.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +20,11 @@ from sglang_tev.tree import DraftTree, exit_law
 from sglang_tev.train import ConfigError, Trainer, load_config, train
 from sglang_tev.train.__main__ import main as cli_main
 from sglang_tev.train.data import load_dataset
-from sglang_tev.train.exit import (anchor_trees, check_tree_support, default_anchors_per_forward,
+from sglang_tev.train.exit import (anchor_trees, default_anchors_per_forward,
                                    exit_weights, iter_tree_logits, kv_reuse_forward, score_trees)
 from sglang_tev.train.losses import exit_loss
 from sglang_tev.train.rollout import ensure_rollouts, read_prompts
-from test_train import MASK, REPO, V, base_cfg, log_records, tiny  # noqa: F401  (tiny: fixture)
+from test_train import REPO, V, base_cfg, log_records, tiny, torchrun_two_ranks  # noqa: F401  (tiny: fixture)
 
 ASSET = REPO / "sglang_tev" / "assets" / "tiny-code"
 
@@ -283,15 +280,8 @@ def test_max_steps_grows_on_resume_with_the_schedule_rederived(tiny, exit_straig
 
 
 def test_torchrun_two_gloo_ranks_match_one_process_with_exit_term(tiny, tmp_path):
-    import yaml
     one = train(exit_cfg(tiny, "ex_ddp1", max_steps=2, batch_size=4))
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(exit_cfg(tiny, "ex_ddp2", max_steps=2, batch_size=2)))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", "sglang_tev.train", "--config", str(path)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun_two_ranks(exit_cfg(tiny, "ex_ddp2", max_steps=2, batch_size=2), tmp_path)
     assert proc.stderr.count("drafter exported to") == 1 and "exported to None" not in proc.stderr
     a, b = log_records(one.output_dir), log_records(tiny / "ex_ddp2")
     for ra, rb in zip(a, b):

@@ -571,17 +571,23 @@ def test_cli_end_to_end_subprocess(tiny, tmp_path):
     assert len(log_records(tiny / "cli")) == 3
 
 
-def test_torchrun_two_gloo_ranks_match_one_process(tiny, tmp_path):
-    """2 ranks x batch 2 == 1 process x batch 4: same samples and anchors, global loss."""
+def torchrun_two_ranks(cfg: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 -m sglang_tev.train`` on ``cfg`` (gloo, 1 thread each)."""
     import yaml
-    one = train(base_cfg(tiny, "ddp1", max_steps=3, batch_size=4))
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(base_cfg(tiny, "ddp2", max_steps=3, batch_size=2)))
+    path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", "sglang_tev.train", "--config", str(path)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_torchrun_two_gloo_ranks_match_one_process(tiny, tmp_path):
+    """2 ranks x batch 2 == 1 process x batch 4: same samples and anchors, global loss."""
+    one = train(base_cfg(tiny, "ddp1", max_steps=3, batch_size=4))
+    torchrun_two_ranks(base_cfg(tiny, "ddp2", max_steps=3, batch_size=2), tmp_path)
     a, b = log_records(one.output_dir), log_records(tiny / "ddp2")
     assert [r["anchors"] for r in a] == [r["anchors"] for r in b]
     for ra, rb in zip(a, b):

@@ -104,59 +104,65 @@ def _assistant_spans(tokenizer, messages: list, key: str, lineno: int) -> tuple[
     return full, spans
 
 
-def _load_jsonl(path: Path, seq_len: int, tokenizer, key: str) -> TokenDataset:
-    if tokenizer is None:
-        raise ValueError(f"{key}: a .jsonl dataset needs the target's tokenizer, none was found")
-    eos = tokenizer.eos_token_id
-    seqs, masks = [], []
+def jsonl_rows(path: Path, key: str):
+    """``(line number, parsed object)`` of each non-blank line; ``ValueError`` naming ``key`` and
+    the line for one that is not JSON."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{key}: line {lineno} of {path} is not JSON ({e})") from None
-            kinds = [k for k in ("text", "messages", "response_ids") if isinstance(row, dict) and k in row]
-            if len(kinds) != 1:
-                raise ValueError(f"{key}: line {lineno} of {path} must be an object with exactly "
-                                 "one of 'text', 'messages' or 'prompt_ids' + 'response_ids' (a rollout)")
-            if "response_ids" in row:
-                p_ids, r_ids = row.get("prompt_ids"), row["response_ids"]
-                if not all(isinstance(x, list) and all(isinstance(t, int) and 0 <= t for t in x)
-                           for x in (p_ids, r_ids)):
-                    raise ValueError(f"{key}: line {lineno}: 'prompt_ids' and 'response_ids' must be "
-                                     "lists of token ids")
-                ids = p_ids + r_ids
-                mask = [False] * len(p_ids) + [True] * len(r_ids)
-            elif "text" in row:
-                if not isinstance(row["text"], str):
-                    raise ValueError(f"{key}: line {lineno}: 'text' must be a string")
-                ids = list(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
-                if eos is not None:
-                    ids.append(eos)
-                mask = [True] * len(ids)
-            else:
-                msgs = row["messages"]
-                if not isinstance(msgs, list) or not all(
-                        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
-                        for m in msgs):
-                    raise ValueError(f"{key}: line {lineno}: 'messages' must be a list of "
-                                     "{role, content} objects")
-                if not getattr(tokenizer, "chat_template", None):
-                    raise ValueError(f"{key}: line {lineno}: chat 'messages' need a tokenizer "
-                                     "with a chat template")
-                text, spans = _assistant_spans(tokenizer, msgs, key, lineno)
-                enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-                ids = list(enc["input_ids"])
-                mask = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
-            # a document is cut into windows of seq_len; a conversation / rollout is truncated to one
-            step = seq_len if "text" in row else max(len(ids), 1)
-            for lo in range(0, len(ids), step):
-                w_ids, w_mask = ids[lo:lo + seq_len], mask[lo:lo + seq_len]
-                if len(w_ids) >= 2 and any(w_mask[1:]):
-                    seqs.append(torch.tensor(w_ids, dtype=torch.long))
-                    masks.append(torch.tensor(w_mask, dtype=torch.bool))
+
+
+def _load_jsonl(path: Path, seq_len: int, tokenizer, key: str) -> TokenDataset:
+    if tokenizer is None:
+        raise ValueError(f"{key}: a .jsonl dataset needs the target's tokenizer, none was found")
+    eos = tokenizer.eos_token_id
+    seqs, masks = [], []
+    for lineno, row in jsonl_rows(path, key):
+        kinds = [k for k in ("text", "messages", "response_ids") if isinstance(row, dict) and k in row]
+        if len(kinds) != 1:
+            raise ValueError(f"{key}: line {lineno} of {path} must be an object with exactly "
+                             "one of 'text', 'messages' or 'prompt_ids' + 'response_ids' (a rollout)")
+        if "response_ids" in row:
+            p_ids, r_ids = row.get("prompt_ids"), row["response_ids"]
+            if not all(isinstance(x, list) and all(isinstance(t, int) and 0 <= t for t in x)
+                       for x in (p_ids, r_ids)):
+                raise ValueError(f"{key}: line {lineno}: 'prompt_ids' and 'response_ids' must be "
+                                 "lists of token ids")
+            ids = p_ids + r_ids
+            mask = [False] * len(p_ids) + [True] * len(r_ids)
+        elif "text" in row:
+            if not isinstance(row["text"], str):
+                raise ValueError(f"{key}: line {lineno}: 'text' must be a string")
+            ids = list(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
+            if eos is not None:
+                ids.append(eos)
+            mask = [True] * len(ids)
+        else:
+            msgs = row["messages"]
+            if not isinstance(msgs, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+                    for m in msgs):
+                raise ValueError(f"{key}: line {lineno}: 'messages' must be a list of "
+                                 "{role, content} objects")
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError(f"{key}: line {lineno}: chat 'messages' need a tokenizer "
+                                 "with a chat template")
+            text, spans = _assistant_spans(tokenizer, msgs, key, lineno)
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            mask = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+        # a document is cut into windows of seq_len; a conversation / rollout is truncated to one
+        step = seq_len if "text" in row else max(len(ids), 1)
+        for lo in range(0, len(ids), step):
+            w_ids, w_mask = ids[lo:lo + seq_len], mask[lo:lo + seq_len]
+            if len(w_ids) >= 2 and any(w_mask[1:]):
+                seqs.append(torch.tensor(w_ids, dtype=torch.long))
+                masks.append(torch.tensor(w_mask, dtype=torch.bool))
     if not seqs:
         raise ValueError(f"{key}: {path} holds no usable row (>= 2 tokens with a supervised label)")
     return TokenDataset(seqs, masks, seq_len, os.fspath(path))

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, RolloutConfig, config_to_dict
+from .data import jsonl_rows
 
 __all__ = ["check_prompt_file", "read_prompts", "rollout_settings", "cache_path", "ensure_rollouts"]
 
@@ -34,15 +35,7 @@ KEY = "rollout.prompts"
 
 
 def _rows(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{KEY}: line {lineno} of {path} is not JSON ({e})") from None
-            yield lineno, row
+    return jsonl_rows(path, KEY)
 
 
 def _usable(row: Any, lineno: int, path: Path) -> bool:
