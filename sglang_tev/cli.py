@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
+from .hf import assets as _assets  # no torch import
 
 PROG = "sglang-tev"
-ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny-code"  # the shipped model pair
+ASSETS_DIR = _assets.ASSETS_DIR  # the shipped model pair
 MAX_BUDGET = 1024  # = hf.runtime.MAX_BUDGET (checked before loading; no torch import here)
 EXIT_SIGPIPE = 128 + 13  # what a shell reports for a tool killed by SIGPIPE (`yes | head`)
 VERIFIERS = ("tev", "predraw", "sequential", "greedy")
