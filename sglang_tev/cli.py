@@ -407,7 +407,7 @@ def cmd_generate(args) -> int:
     from .sampling import SamplingParams
 
     _check_generate_args(args)
-    target, draft = _model_paths(args)  # paths exist: checked before any load
+    _, draft = _model_paths(args)  # the paths exist: checked before any load
     if args.block_size is not None and draft is not None:
         k = _draft_block_size(draft)
         if k is not None and args.block_size > k:
