@@ -8,7 +8,10 @@ and the KV commit are excluded.
     python benchmarks/verifier.py                       # CPU (and CUDA when present)
     python benchmarks/verifier.py --budgets 64 --vocabs 151936 --device cuda --repeats 200
 
-Prints a table and writes JSON (default ``benchmarks/results/verifier-<device>.json``).
+Prints a table and writes JSON, by default to ``bench-results/verifier-<device>-<UTC date-time>.json``
+under the current directory, so a rerun never replaces the committed
+``benchmarks/results/verifier-cpu.json``; an existing ``--out`` is refused unless ``--overwrite``
+(to update the committed file: ``--out benchmarks/results/verifier-cpu.json --overwrite``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -44,7 +48,7 @@ def time_call(fn, device: str, repeats: int, warmup: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budgets", default="32,64,128")
     ap.add_argument("--vocabs", default="32000,151936")
@@ -53,14 +57,32 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu, cuda, or both (default: cpu, plus cuda when present)")
     ap.add_argument("--dtype", default=None, help="target logits dtype (default: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/verifier-<device>.json)")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default bench-results/verifier-<device>-<UTC date-time>.json); with several "
+                    "devices, <device> is inserted before the suffix")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = ap.parse_args(argv)
 
     devices = [args.device] if args.device else (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
     budgets = [int(x) for x in args.budgets.split(",")]
     vocabs = [int(x) for x in args.vocabs.split(",")]
     temps = [float(x) for x in args.temperatures.split(",")]
     methods = args.methods.split(",")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+    def out_path(device: str) -> str:
+        if args.out is None:
+            return os.path.join("bench-results", f"verifier-{device}-{stamp}.json")
+        if len(devices) == 1:
+            return args.out
+        root, ext = os.path.splitext(args.out)
+        return f"{root}-{device}{ext}"
+
+    for device in devices:  # checked before anything is measured
+        if os.path.exists(out_path(device)) and not args.overwrite:
+            print(f"{ap.prog}: error: argument --out: {out_path(device)} exists; pass --overwrite to replace it "
+                  "(the default output never replaces a file)", file=sys.stderr)
+            return 2
     for device in devices:
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
         repeats = args.repeats or (15 if device == "cpu" else 200)
@@ -94,7 +116,7 @@ def main() -> None:
             dtype=str(dtype),
             repeats=repeats,
         )
-        out = args.out or os.path.join(os.path.dirname(__file__), "results", f"verifier-{device}.json")
+        out = out_path(device)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=1)
@@ -111,7 +133,8 @@ def main() -> None:
                         cells.append(f"{r['median_us']:>11.0f}")
                     print(f"{V:>7} {B:>4} {T:>4} " + " ".join(cells))
         print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

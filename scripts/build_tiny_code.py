@@ -37,6 +37,17 @@ from pathlib import Path
 import numpy as np
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
+
+
+class UsageExit(SystemExit):
+    """A bad argument found after parsing (e.g. a stage run before the one it reads): exit
+    status 2, as argparse's own errors; ``str()`` is the message, printed by :func:`main`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2
+
+
 # Path parts never trained on: third-party code, the test suites (huge, repetitive and full of
 # deliberately odd code), pydoc_data (one 750 kB prose blob) and encodings (generated codec tables).
 SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "pydoc_data", "encodings"}
@@ -145,7 +156,7 @@ def build_tokenizer(args, cfg: Config, out: Path) -> dict:
     names = list(docs)
     n_held = max(1, round(cfg.heldout_frac * len(names)))
     if len(names) - n_held < 1:
-        raise SystemExit(f"error: argument --max-files: {len(names)} usable files leave nothing to train on")
+        raise UsageExit(f"argument --max-files: {len(names)} usable files leave nothing to train on")
     held = set(random.Random(args.seed).sample(range(len(names)), n_held))
     split = {"train": [n for i, n in enumerate(names) if i not in held],
              "heldout": [n for i, n in enumerate(names) if i in held]}
@@ -227,14 +238,14 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
 
     tokdir = out / "tokenizer"
     if stage_record(out, "tokenizer") is None:
-        raise SystemExit(f"error: argument --stages: 'target' needs {tokdir}; run the tokenizer stage first")
+        raise UsageExit(f"argument --stages: 'target' needs {tokdir}; run the tokenizer stage first")
     tok = PreTrainedTokenizerFast.from_pretrained(tokdir)
     train = torch.from_numpy(np.load(tokdir / "train.npy").astype(np.int64))
     held = torch.from_numpy(np.load(tokdir / "heldout.npy").astype(np.int64))
     L, B = cfg.seq_len, cfg.batch
     n_chunks = (len(train) - 1) // L
     if n_chunks < 1:
-        raise SystemExit(f"error: argument --max-files: {len(train)} training tokens < seq_len {L}")
+        raise UsageExit(f"argument --max-files: {len(train)} training tokens < seq_len {L}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
 
@@ -261,7 +272,7 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
     if ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device, weights_only=True)
         if state["fingerprint"] != fingerprint:
-            raise SystemExit(f"error: argument --force: {ckpt_path} is from another config; pass --force to restart")
+            raise UsageExit(f"argument --force: {ckpt_path} is from another config; pass --force to restart")
         if state["threads"] != torch.get_num_threads() or state["device"] != device.type:
             print(f"warning: resuming a {state['device']} run made with {state['threads']} threads on "
                   f"{device.type} with {torch.get_num_threads()}; results may differ in the last bits",
@@ -433,7 +444,7 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
     from sglang_tev.train import ConfigError, evaluate, load_dataset, load_target, train
 
     if stage_record(out, "target") is None:
-        raise SystemExit(f"error: argument --stages: 'draft' needs {out / 'target'}; run the target stage first")
+        raise UsageExit(f"argument --stages: 'draft' needs {out / 'target'}; run the target stage first")
     dcfg = draft_config_for(cfg)
     work = out / "draft_train"
     fingerprint = draft_fingerprint(cfg, args.seed, out)
@@ -441,7 +452,7 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
     if args.force:
         shutil.rmtree(work, ignore_errors=True)
     if work.exists() and (not fp_path.exists() or json.loads(fp_path.read_text()) != fingerprint):
-        raise SystemExit(f"error: argument --force: {work} is from another config or target; pass --force to restart")
+        raise UsageExit(f"argument --force: {work} is from another config or target; pass --force to restart")
     work.mkdir(parents=True, exist_ok=True)
     write_json(fp_path, fingerprint)
     mask_id = stage_record(out, "tokenizer")["summary"]["mask_id"]
@@ -464,7 +475,7 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
         res = train(run_cfg)
     except ConfigError as e:
         if e.key == "threads":
-            raise SystemExit(f"error: argument --threads: {e}") from None
+            raise UsageExit(f"argument --threads: {e}") from None
         raise
     if not res.complete:
         print(f"draft: stopped at step {res.step}/{dcfg.steps} (--max-steps); rerun to resume", file=sys.stderr)
@@ -557,7 +568,7 @@ def build_bench(args, cfg: Config, out: Path) -> dict | None:
     from sglang_tev.hf.runtime import SpeculativeGenerator
 
     if stage_record(out, "draft") is None:
-        raise SystemExit(f"error: argument --stages: 'bench' needs {out / 'draft'}; run the draft stage first")
+        raise UsageExit(f"argument --stages: 'bench' needs {out / 'draft'}; run the draft stage first")
     bcfg = bench_config_for(cfg)
     device = None if args.device == "auto" else args.device
     gen = SpeculativeGenerator.from_pretrained(out / "target", out / "draft", device=device)
@@ -565,10 +576,11 @@ def build_bench(args, cfg: Config, out: Path) -> dict | None:
     cmd = (f"sglang-tev bench --target {out / 'target'} --draft {out / 'draft'} --dataset humaneval "
            f"--limit {bcfg.limit} --budgets {','.join(map(str, bcfg.budgets))} "
            f"--temperatures {','.join(map(str, bcfg.temperatures))} --max-new-tokens {bcfg.max_new_tokens} "
-           f"--methods {','.join(bcfg.methods)} --seed {args.seed}")
+           f"--methods {','.join(bcfg.methods)} --seed {args.seed} --repeats 1")
+    # one repeat: this stage measures tau (the same at every repeat), not speed
     records = run_bench(gen, load_humaneval(bcfg.limit), budgets=bcfg.budgets, temperatures=bcfg.temperatures,
                         max_new_tokens=bcfg.max_new_tokens, seed=args.seed, output_dir=tmp, command=cmd,
-                        methods=bcfg.methods)
+                        methods=bcfg.methods, repeats=1)
     print(format_table(records))
     fingerprint = bench_fingerprint(cfg, args.seed, out)
     tau = {f"{r['method']}{'' if r['budget'] is None else '@' + str(r['budget'])}_T{r['temperature']:g}": r["tau"]
@@ -684,9 +696,9 @@ def build_ship(args, cfg: Config, out: Path) -> dict | None:
     and one rename, plus OUTDIR/ship/stage.json. A --quick build is never shipped."""
     for need in ("target", "draft", "bench"):
         if stage_record(out, need) is None:
-            raise SystemExit(f"error: argument --stages: 'ship' needs {out / need}; run the {need} stage first")
+            raise UsageExit(f"argument --stages: 'ship' needs {out / need}; run the {need} stage first")
     if bench_config_for(cfg) is QUICK_BENCH:
-        raise SystemExit("error: argument --quick: a quick build is not shipped")
+        raise UsageExit("argument --quick: a quick build is not shipped")
     staging = ASSETS.parent / ".tiny-code.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     total = 0
@@ -766,6 +778,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict | None]:
+    """Run the selected stages; returns each stage's summary. Bad arguments: one line on stderr and
+    SystemExit with status 2."""
+    try:
+        return _main(argv)
+    except UsageExit as e:
+        print(f"build_tiny_code.py: error: {e}", file=sys.stderr, flush=True)
+        raise
+
+
+def _main(argv: list[str] | None) -> dict[str, dict | None]:
     args, cfg = parse_args(argv)
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # tokenizers' pool; read on first use
     import torch
@@ -782,7 +804,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict | None]:
         rec = stage_record(out, name)
         if rec is not None:
             if rec["fingerprint"] != fingerprint(cfg, args.seed, out):
-                raise SystemExit(f"error: argument --out: {out / name} was built with another config "
+                raise UsageExit(f"argument --out: {out / name} was built with another config "
                                  f"or seed; pass --force to rebuild it or choose another --out")
             results[name] = ("skipped (complete)", 0.0, rec["summary"])
             continue

@@ -5,12 +5,16 @@ echoed; the final flush makes stdout equal ``tokenizer.decode(new_ids, skip_spec
 line to stderr. ``sglang-tev bench`` runs every method over a prompt set and writes results.json,
 outputs.jsonl, meta.json and two plots (see :mod:`sglang_tev.hf.bench`).
 
-Bad arguments exit with status 2 and a message naming the argument; no traceback.
+Bad arguments exit with status 2 and one line naming the argument (no usage block, no traceback);
+the checks that need no model run before any model is loaded. A closed stdout (``| head``) ends
+the command quietly with status 141 (128 + SIGPIPE), as Unix tools do.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import math
 import os
 import shlex
@@ -20,9 +24,12 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
+from .hf import assets as _assets  # no torch import
 
 PROG = "sglang-tev"
-ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny-code"  # the shipped model pair
+ASSETS_DIR = _assets.ASSETS_DIR  # the shipped model pair
+MAX_BUDGET = 1024  # = hf.runtime.MAX_BUDGET (checked before loading; no torch import here)
+EXIT_SIGPIPE = 128 + 13  # what a shell reports for a tool killed by SIGPIPE (`yes | head`)
 VERIFIERS = ("tev", "predraw", "sequential", "greedy")
 METHODS = ("autoregressive", "chain", *VERIFIERS)  # = hf.runtime.GENERATION_METHODS (no torch import for --help)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -33,7 +40,7 @@ _ARG_OF = {
     "top_k": "--top-k", "min_p": "--min-p", "block_size": "--block-size", "method": "--method",
     "methods": "--methods", "verifier": "--verifier", "stop_strings": "--stop", "seed": "--seed",
     "budgets": "--budgets", "temperatures": "--temperatures", "prompts": "--dataset", "limit": "--limit",
-    "dataset": "--dataset",
+    "dataset": "--dataset", "repeats": "--repeats", "output_dir": "--output",
 }
 
 
@@ -66,7 +73,24 @@ def _usage_from(exc: Exception, default_arg: str) -> UsageError:
         return UsageError("--draft", f"--method {method} needs a drafter: pass --draft DIR or use "
                                      "--method autoregressive")
     head = msg.split(":", 1)[0].split(" ", 1)[0]
-    return UsageError(_ARG_OF.get(head, default_arg), msg)
+    return UsageError(_ARG_OF.get(head, default_arg), _strip_name(msg))
+
+
+def _strip_name(msg: str) -> str:
+    """'target: no model directory at ...' -> 'no model directory at ...': the argument is named
+    once, by ``argument --target:``."""
+    head, sep, rest = msg.partition(": ")
+    return rest if sep and head in _ARG_OF else msg
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad value is one line (``PROG CMD: error: argument --x: ...``) with
+    status 2, like every other bad value: no usage block."""
+
+    def error(self, message: str):  # noqa: D401 (argparse API)
+        sys.stdout.flush()
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -89,6 +113,23 @@ def _str_list(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+GENERATE_EXAMPLES = """\
+examples:
+  sglang-tev generate "def fibonacci(n):"                  # the shipped tiny-code pair, greedy
+  sglang-tev generate --max-new-tokens 64 "def f(x):" | head -n 3
+  cat prompt.txt | sglang-tev generate -                   # the prompt from stdin
+  sglang-tev generate --prompts-file prompts.jsonl > out.jsonl   # one JSON line per prompt
+  sglang-tev generate --target DIR --draft DIR --budget 64 --temperature 0.8 --top-p 0.95 "Explain KV caches."
+"""
+
+BENCH_EXAMPLES = """\
+examples:
+  sglang-tev bench --dataset humaneval --limit 20 --max-new-tokens 128
+  sglang-tev bench --target DIR --draft DIR --dataset prompts.jsonl --budgets 32,64 \\
+      --temperatures 0,1 --repeats 5 --output runs/bench
+"""
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--target", help="target model directory (HF, with tokenizer); default: the shipped tiny-code pair")
@@ -100,14 +141,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Lossless tree speculative decoding (DFlash + DDTree + TEV).")
+    parser = _Parser(prog=PROG, description="Lossless tree speculative decoding (DFlash + DDTree + TEV).",
+                     epilog=GENERATE_EXAMPLES + BENCH_EXAMPLES.split("\n", 1)[1] + "\nsee COMMAND --help for each option\n",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text for one prompt (stdout: the new text only)",
                        description="Generate with tree speculative decoding. stdout carries exactly the new "
-                       "text; a summary line goes to stderr.")
-    g.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+                       "text; a summary line goes to stderr.", epilog=GENERATE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("prompt", metavar="PROMPT", nargs="?",
+                   help="the prompt text; '-' reads it from stdin (verbatim, until EOF)")
+    g.add_argument("--prompts-file", metavar="FILE",
+                   help="generate for every prompt of FILE, one after another, instead of PROMPT: a .jsonl "
+                   "file (one 'prompt' or 'messages' per line, optional 'id') or a text file (one prompt per "
+                   "non-empty line); stdout gets one JSON line per prompt")
     _add_model_args(g)
     g.add_argument("--budget", type=int, default=64, help="DDTree budget B, non-root nodes (default 64)")
     g.add_argument("--verifier", choices=VERIFIERS, default="tev",
@@ -126,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="compare autoregressive, chain and DDTree verifiers on a prompt set",
                        description="Benchmark every method on one prompt set in one run; writes results.json, "
-                       "outputs.jsonl, meta.json, tau_hist.png and stage_ms.png to --output (default: bench-results/<date-time>).")
+                       "outputs.jsonl, meta.json, tau_hist.png and stage_ms.png to --output (default: bench-results/<date-time>).",
+                       epilog=BENCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(b)
     b.add_argument("--dataset", required=True, help="'humaneval' or a .jsonl file (one 'prompt' or 'messages' per line)")
     b.add_argument("--limit", type=int, help="use the first N prompts")
@@ -138,8 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all but greedy)")
     b.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i (default 0)")
     b.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="decode every (configuration, prompt) N times; tok/s per prompt is the median "
+                   "time's (default 3)")
     b.add_argument("--output", metavar="DIR",
-                   help="output directory, created (default: bench-results/<UTC date-time> under the current directory)")
+                   help="output directory, created (default: bench-results/<UTC date-time> under the current "
+                   "directory); an existing non-empty one is refused unless --overwrite")
+    b.add_argument("--overwrite", action="store_true", help="write into a non-empty --output, replacing its files")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -162,14 +217,31 @@ def _torch_device(name: str | None):
 
 def _model_paths(args) -> tuple:
     """(target, draft) from --target/--draft: without --target the shipped target, and its
-    drafter unless --draft names another."""
+    drafter unless --draft names another. Each must be a directory (checked here, before loading)."""
     if args.target is not None:
-        return args.target, args.draft
+        target, draft = args.target, args.draft
+    else:
+        try:
+            target, draft = default_model_paths()
+        except FileNotFoundError as e:
+            raise UsageError("--target", str(e)) from None
+        draft = draft if args.draft is None else args.draft
+    for arg, path in (("--target", target), ("--draft", draft)):
+        if path is not None and not os.path.isdir(path):
+            raise UsageError(arg, f"no model directory at {os.fspath(path)!r}")
+    return target, draft
+
+
+def _draft_block_size(draft) -> int | None:
+    """The drafter's block size K from its config.json (z-lab: ``dflash_config.block_size`` or top
+    level, default 16), without loading it; None when the config cannot be read (the load says why)."""
     try:
-        target, draft = default_model_paths()
-    except FileNotFoundError as e:
-        raise UsageError("--target", str(e)) from None
-    return target, draft if args.draft is None else args.draft
+        cfg = json.loads((Path(draft) / "config.json").read_text())
+        dcfg = cfg.get("dflash_config") or {}
+        k = dcfg.get("block_size", cfg.get("block_size", 16))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
 
 
 def _load(args):
@@ -193,7 +265,7 @@ def _load(args):
     except (FileNotFoundError, ValueError, OSError) as e:
         msg = str(e)
         arg = "--target" if msg.startswith(("target:", "target ")) else "--draft"
-        raise UsageError(arg, msg) from None
+        raise UsageError(arg, _strip_name(msg)) from None
     if gen.tokenizer is None:
         raise UsageError("--target", f"{target} has no tokenizer; text prompts need one")
     return gen
@@ -268,8 +340,18 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def _check_generate_args(args) -> None:
+    """Every check that needs no model (run before loading one)."""
+    if args.prompts_file is not None and args.prompt is not None:
+        raise UsageError("--prompts-file", "not allowed with PROMPT: give one or the other")
+    if args.prompts_file is None and args.prompt is None:
+        raise UsageError("PROMPT", "give a prompt, '-' to read it from stdin, or --prompts-file FILE")
+    if args.prompt == "":
+        raise UsageError("PROMPT", "the prompt is empty")
     if args.budget < 0:
         raise UsageError("--budget", f"must be >= 0, got {args.budget}")
+    if args.budget > MAX_BUDGET:
+        raise UsageError("--budget", f"must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) "
+                                     f"candidates), got {args.budget}")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
     if not (args.temperature >= 0) or math.isinf(args.temperature):
@@ -293,13 +375,61 @@ def _check_generate_args(args) -> None:
             raise UsageError(greedy_arg, "'greedy' is exact only at temperature 0; use tev, predraw or sequential")
 
 
+def _read_prompts_file(path: str) -> list:
+    """[Prompt] of a .jsonl file (hf.datasets.load_jsonl) or a text file (one per non-empty line)."""
+    from .hf.datasets import Prompt, load_jsonl
+
+    p = Path(path)
+    try:
+        if p.suffix == ".jsonl":
+            prompts = load_jsonl(p)
+        else:
+            if not p.is_file():
+                raise FileNotFoundError(f"{p}: no such file")
+            lines = p.read_text(encoding="utf-8").splitlines()
+            prompts = [Prompt(id=f"{p.name}:{i}", text=line) for i, line in enumerate(lines, 1) if line.strip()]
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UsageError("--prompts-file", str(e)) from None
+    if not prompts:
+        raise UsageError("--prompts-file", f"{p} holds no prompts")
+    return prompts
+
+
+def _summary_gap() -> None:
+    """On a terminal, start the stderr summary on its own line when stdout's text did not end
+    one (stdout itself stays exactly the text)."""
+    tty = getattr(sys.stdout, "isatty", None), getattr(sys.stderr, "isatty", None)
+    if all(f is not None and f() for f in tty):
+        sys.stderr.write("\n")
+
+
 def cmd_generate(args) -> int:
     from .sampling import SamplingParams
 
     _check_generate_args(args)
+    _, draft = _model_paths(args)  # the paths exist: checked before any load
+    if args.block_size is not None and draft is not None:
+        k = _draft_block_size(draft)
+        if k is not None and args.block_size > k:
+            raise UsageError("--block-size", f"must be in [2, {k}] (the drafter's block size), got {args.block_size}")
+    prompts = None
+    if args.prompts_file is not None:
+        prompts = _read_prompts_file(args.prompts_file)
+    elif args.prompt == "-":
+        args.prompt = sys.stdin.read()
+        if args.prompt == "":
+            raise UsageError("PROMPT", "stdin is empty ('-' reads the prompt from stdin)")
     gen = _load(args)
     tok = gen.tokenizer
     method = args.method or args.verifier
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    kwargs = dict(method=method, budget=args.budget, sampling=sampling, seed=args.seed,
+                  max_new_tokens=args.max_new_tokens, stop_strings=args.stop, ignore_eos=args.ignore_eos,
+                  block_size=args.block_size, verifier=args.verifier, chat_template=not args.no_chat_template)
+    extra = f"budget={args.budget}" if method in VERIFIERS else (f"verifier={args.verifier}" if method == "chain" else "")
+    extra = f", method={method}" + (f", {extra}" if extra else "")
+    if prompts is not None:
+        return _generate_prompts_file(gen, prompts, kwargs, extra, not args.no_chat_template)
 
     def write(s: str) -> None:
         sys.stdout.write(s)
@@ -307,22 +437,49 @@ def cmd_generate(args) -> int:
 
     streamer = TextStreamer(lambda ids: tok.decode(ids, skip_special_tokens=True), write,
                             hold_spaces=bool(getattr(tok, "clean_up_tokenization_spaces", False)))
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     try:
-        result = gen.generate(
-            args.prompt, method=method, budget=args.budget, sampling=sampling, seed=args.seed,
-            max_new_tokens=args.max_new_tokens, stop_strings=args.stop, ignore_eos=args.ignore_eos,
-            block_size=args.block_size, verifier=args.verifier, chat_template=not args.no_chat_template,
-            stream=streamer,
-        )
+        result = gen.generate(args.prompt, stream=streamer, **kwargs)
     except ValueError as e:
         raise _usage_from(e, "PROMPT") from None
-    streamer.finish(result.token_ids)
-    rounds = len(result.rounds)
-    tps = result.tokens_per_s
-    extra = f"budget={args.budget}" if method in VERIFIERS else (f"verifier={args.verifier}" if method == "chain" else "")
-    print(f"[{PROG}] {len(result.token_ids)} tokens, {rounds} rounds, tau {result.tau:.2f}, "
-          f"{tps:.1f} tok/s, finish={result.finish_reason}, method={method}" + (f", {extra}" if extra else ""),
+    text = streamer.finish(result.token_ids)
+    if text and not text.endswith("\n"):
+        _summary_gap()
+    print(f"[{PROG}] {len(result.token_ids)} tokens, {len(result.rounds)} rounds, tau {result.tau:.2f}, "
+          f"{result.tokens_per_s:.1f} tok/s, finish={result.finish_reason}{extra}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _generate_prompts_file(gen, prompts, kwargs, extra, chat_template) -> int:
+    """One prompt after another; stdout: one JSON line per prompt, in file order."""
+    from .hf.datasets import encode_prompt
+
+    encoded = []
+    for p in prompts:  # every prompt is checked before the first is generated
+        ids = encode_prompt(p, gen.tokenizer, chat_template)
+        if not ids:
+            raise UsageError("--prompts-file", f"{p.id}: the prompt has no tokens")
+        if len(ids) > gen.max_positions:
+            raise UsageError("--prompts-file", f"{p.id}: the prompt has {len(ids)} tokens, more than the "
+                                               f"model's {gen.max_positions} positions")
+        encoded.append(ids)
+    tokens = rounds = 0
+    decode_s = 0.0
+    for p, ids in zip(prompts, encoded):
+        try:
+            res = gen.generate(ids, **kwargs)
+        except ValueError as e:
+            u = _usage_from(e, "--prompts-file")
+            raise UsageError(u.arg, f"{p.id}: {_strip_name(str(e))}") from None
+        tokens += len(res.token_ids)
+        rounds += len(res.rounds)
+        decode_s += res.decode_s
+        row = {"id": p.id, "text": res.text, "token_ids": res.token_ids, "new_tokens": len(res.token_ids),
+               "rounds": len(res.rounds), "tau": res.tau, "finish_reason": res.finish_reason}
+        sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    tau = tokens / rounds if rounds else 0.0
+    tps = tokens / decode_s if decode_s > 0 else 0.0
+    print(f"[{PROG}] {len(prompts)} prompts, {tokens} tokens, {rounds} rounds, tau {tau:.2f}, {tps:.1f} tok/s{extra}",
           file=sys.stderr, flush=True)
     return 0
 
@@ -337,6 +494,10 @@ def cmd_bench(args, argv: list[str]) -> int:
         raise UsageError("--limit", f"must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    if args.repeats < 1:
+        raise UsageError("--repeats", f"must be >= 1, got {args.repeats}")
+    if any(b > MAX_BUDGET for b in args.budgets):
+        raise UsageError("--budgets", f"budgets must be <= {MAX_BUDGET}, got {args.budgets}")
     if not args.budgets and any(m in VERIFIERS for m in args.methods):
         raise UsageError("--budgets", "give at least one budget")
     if any(b < 0 for b in args.budgets):
@@ -355,6 +516,10 @@ def cmd_bench(args, argv: list[str]) -> int:
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise UsageError("--output", f"cannot create {out}: {blocker} is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError("--output", f"{out} exists and is not empty (results of an earlier run?); "
+                                     "choose another --output or pass --overwrite")
+    target, draft = _model_paths(args)
     try:
         prompts = load_prompts(args.dataset, args.limit)
     except (FileNotFoundError, ValueError) as e:
@@ -362,14 +527,14 @@ def cmd_bench(args, argv: list[str]) -> int:
     if not prompts:
         raise UsageError("--dataset", f"{args.dataset} holds no prompts")
     gen = _load(args)
-    target, draft = _model_paths(args)
     meta = {"dataset": args.dataset, "limit": args.limit, "target_path": os.fspath(target),
             "draft_path": None if draft is None else os.fspath(draft), "argv": argv}
     try:
         records = run_bench(
             gen, prompts, budgets=args.budgets, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
             methods=args.methods, seed=args.seed, output_dir=out, chat_template=not args.no_chat_template,
-            ignore_eos=args.ignore_eos, progress=not args.no_progress,
+            ignore_eos=args.ignore_eos, progress=not args.no_progress, repeats=args.repeats,
+            overwrite=args.overwrite,
             command=shlex.join([PROG, *argv]), meta=meta,
         )
     except ValueError as e:
@@ -382,26 +547,53 @@ def cmd_bench(args, argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------------- main
 
+def _stdout_gone() -> int:
+    """The reader of stdout went away (EPIPE): end quietly, as a tool killed by SIGPIPE would.
+    stdout's fd is pointed at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return EXIT_SIGPIPE
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+        pass
+    return EXIT_SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``sglang-tev`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2, message printed)
+        args, unknown = parser.parse_known_args(argv)
+        sub = parser._subparsers._group_actions[0].choices.get(args.command, parser)  # for the error line
+        if unknown:  # named by the subcommand, as its other errors are
+            sub.error(f"unrecognized arguments: {' '.join(unknown)}")
+    except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2, one line printed)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # for the usage line
     try:
         if args.command == "generate":
             return cmd_generate(args)
         return cmd_bench(args, argv)
     except UsageError as e:
-        sys.stdout.flush()
-        print(f"{sub.prog}: error: {e}\n(see {sub.prog} --help)", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            return _stdout_gone()
+        print(f"{sub.prog}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _stdout_gone()
+    except OSError as e:
+        if e.errno == errno.EPIPE:
+            return _stdout_gone()
+        raise
     except KeyboardInterrupt:
         print(f"[{PROG}] interrupted", file=sys.stderr)
         return 130

@@ -7,9 +7,11 @@ and /1 are 321 and 411 tokens with its tokenizer and chat template). CPU, float3
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sglang_tev.cli import main
@@ -22,7 +24,8 @@ from tiny_pair import build_pair
 MAX_POS = 512
 KEYS = {"method": str, "budget": (int, type(None)), "temperature": float, "prompts": int, "new_tokens": int,
         "rounds": int, "tau": float, "accept_len_mean": float, "coverage_mean": float, "tokens_per_s": float,
-        "speedup": (float, type(None)), "stage_ms": dict, "skipped_prompts": int}
+        "tokens_per_s_iqr": list, "speedup": (float, type(None)), "speedup_iqr": (list, type(None)),
+        "repeats": int, "repeat_spread": float, "stage_ms": dict, "skipped_prompts": int}
 STAGES = {"draft", "build", "tree_forward", "verify", "commit"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -61,11 +64,19 @@ def check_results(out_dir, configs, prompts, skipped):
         emitted = [e for o in mine for e in o["emitted_per_round"]]
         assert r["rounds"] == len(emitted) and r["tau"] == pytest.approx(sum(emitted) / len(emitted))
         assert r["new_tokens"] == sum(len(o["new_token_ids"]) for o in mine) == sum(emitted)
+        # speed: per-prompt rate from the median of the repeats; median and quartiles over prompts
+        assert all(len(o["decode_s_repeats"]) == r["repeats"] for o in mine)
+        assert all(o["decode_s"] == pytest.approx(statistics.median(o["decode_s_repeats"])) for o in mine)
+        rates = [len(o["new_token_ids"]) / o["decode_s"] for o in mine]
+        assert r["tokens_per_s"] == pytest.approx(float(np.median(rates)))
+        assert r["tokens_per_s_iqr"] == pytest.approx(list(np.percentile(rates, [25, 75])))
         if r["method"] == "autoregressive":
-            assert r["speedup"] == 1.0 and r["tau"] == 1.0
+            assert r["speedup"] == 1.0 and r["tau"] == 1.0 and r["speedup_iqr"] == [1.0, 1.0]
         else:
-            ar = [x for x in records if x["method"] == "autoregressive" and x["temperature"] == r["temperature"]]
-            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar[0]["tokens_per_s"])
+            ar = [o for o in outputs if o["method"] == "autoregressive" and o["temperature"] == r["temperature"]]
+            ratios = [x / (len(a["new_token_ids"]) / a["decode_s"]) for x, a in zip(rates, ar)]
+            assert r["speedup"] == pytest.approx(float(np.median(ratios)))
+            assert r["speedup_iqr"] == pytest.approx(list(np.percentile(ratios, [25, 75])))
     for name in ("tau_hist.png", "stage_ms.png"):
         data = (out_dir / name).read_bytes()
         assert data[:8] == PNG and len(data) > 1000
@@ -73,6 +84,7 @@ def check_results(out_dir, configs, prompts, skipped):
     assert {"command", "date", "machine", "versions", "device", "dtype"} <= set(meta)
     assert {"torch", "transformers"} <= set(meta["versions"]) and meta["device"] == "cpu"
     assert not any(k.startswith("tau") for r in records for k in r if k != "tau")
+    assert "target" not in meta and list(meta.values()).count(meta["target_path"]) == 1  # named once
     return records, outputs
 
 
@@ -97,9 +109,11 @@ def test_bench_cli_jsonl_skips_long_prompts(capsys, tmp_path, pair, jsonl):
     records, outputs = check_results(out, configs, prompts=2, skipped=1)
     same_greedy_outputs(outputs)
     assert "skipping prompt 'prompts.jsonl:3'" in err and "+ 1 > the model's 512 positions" in err
-    assert "bench" in err and "10/10" in err  # the tqdm bar: 5 configs x 2 prompts
-    head = stdout.splitlines()[0].split()
-    assert head == ["method", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "speedup"]
+    assert "bench" in err and "30/30" in err  # the tqdm bar: 5 configs x 2 prompts x 3 repeats (default)
+    assert all(r["repeats"] == 3 for r in records)
+    assert [h for h in stdout.splitlines()[0].split("  ") if h.strip()] == [
+        "method", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "tok/s IQR", "speedup", "speedup IQR",
+        "repeat spread"]
     assert len(stdout.strip().splitlines()) == 2 + len(configs)
     assert [o["prompt_id"] for o in outputs[:2]] == ["prompts.jsonl:1", "prompts.jsonl:2"]
     tok = SpeculativeGenerator.from_pretrained(target, None, device="cpu").tokenizer
@@ -153,7 +167,7 @@ def test_run_bench_api_with_an_oracle_drafter(tmp_path, pair):
     gen = SpeculativeGenerator(base.target, oracle, base.tokenizer)
     prompts = ["import os\n", Prompt(id="p1", text="class A:\n"), [5, 6, 7, 8]]
     records = run_bench(gen, prompts, budgets=[3, 6], temperatures=[0, 1], max_new_tokens=12, seed=0,
-                        output_dir=tmp_path, progress=False, ignore_eos=True, log=lambda m: None)
+                        output_dir=tmp_path, progress=False, ignore_eos=True, log=lambda m: None, repeats=2)
     configs = bench_configs(["autoregressive", "chain", "tev", "predraw", "sequential"], [3, 6], [0.0, 1.0])
     assert len(configs) == 16
     on_disk, outputs = check_results(tmp_path, configs, prompts=3, skipped=0)
@@ -188,6 +202,8 @@ BAD = [
     (["--target", "{missing}"], "--target", "no model directory"),
     (["--budgets", "2000"], "--budgets", "budgets must be <= 1024"),
     (["--methods", ""], "--methods", "give at least one"),
+    (["--repeats", "0"], "--repeats", "must be >= 1, got 0"),
+    (["--repeats", "x"], "--repeats", "invalid int value: 'x'"),
     (["--output", "{under_file}"], "--output", "is not a directory"),
 ]
 
@@ -239,3 +255,59 @@ def test_datasets(tmp_path, pair):
             load_jsonl(bad)
     with pytest.raises(ValueError, match="limit"):
         load_prompts("humaneval", 0)
+
+
+def test_one_slow_pass_does_not_move_the_speed(tmp_path, pair):
+    """A busy machine slows one decode 100x: the per-prompt median over repeats ignores it, and
+    the row reports the median over prompts with its quartiles (a plain mean over one pass read
+    this row as a fraction of its speed)."""
+    gen = SpeculativeGenerator.from_pretrained(pair[0], pair[1], device="cpu")
+    real = gen.generate
+    calls = []
+
+    def clocked(*a, **k):  # a fixed clock: every decode 1 s, one of them 100 s
+        res = real(*a, **k)
+        calls.append(k["method"])
+        res.decode_s = 100.0 if (k["method"] == "tev" and calls.count("tev") == 4) else 1.0
+        return res
+
+    gen.generate = clocked
+    prompts = ["import os\n", "class A:\n", "def f(x):\n"]
+    records = run_bench(gen, prompts, budgets=[2], temperatures=[0], max_new_tokens=6, methods=["autoregressive", "tev"],
+                        output_dir=tmp_path, progress=False, ignore_eos=True, warmup=False, repeats=3, plots=False)
+    ar, tev = records
+    assert tev["tokens_per_s"] == 6.0 and tev["tokens_per_s_iqr"] == [6.0, 6.0] and tev["speedup"] == 1.0
+    assert tev["repeat_spread"] == 0.0 and tev["repeats"] == 3  # the median prompt's repeats agree
+    outputs = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    assert [o["decode_s_repeats"] for o in outputs if o["method"] == "tev"][1] == [100.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        run_bench(gen, prompts, budgets=[2], temperatures=[0], repeats=0)
+
+
+def test_bench_refuses_to_overwrite_an_earlier_run(capsys, tmp_path, pair, jsonl, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text("[]\n")
+    argv = ["bench", "--target", str(pair[0]), "--draft", str(pair[1]), "--dataset", str(jsonl), "--budgets", "2",
+            "--temperatures", "0", "--max-new-tokens", "2", "--methods", "autoregressive,tev", "--repeats", "1",
+            "--limit", "1", "--output", str(out), "--no-progress"]
+
+    def refuse(*a, **k):
+        raise AssertionError("loaded a model before checking --output")
+
+    with monkeypatch.context() as m:
+        m.setattr(SpeculativeGenerator, "from_pretrained", refuse)
+        assert main(argv) == 2
+    _, err = capsys.readouterr()
+    assert "argument --output:" in err and "exists and is not empty" in err and "--overwrite" in err
+    assert (out / "results.json").read_text() == "[]\n" and len(list(out.iterdir())) == 1
+    assert main(argv + ["--overwrite"]) == 0
+    assert len(json.loads((out / "results.json").read_text())) == 2
+    gen = SpeculativeGenerator.from_pretrained(pair[0], None, device="cpu")
+    with pytest.raises(ValueError, match="output_dir: .* is not empty"):
+        run_bench(gen, ["a"], budgets=[2], temperatures=[0], methods=["autoregressive"], output_dir=out)
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an existing empty directory is fine
+    run_bench(gen, ["a"], temperatures=[0], max_new_tokens=2, methods=["autoregressive"], output_dir=empty,
+              progress=False, repeats=1, plots=False)
+    assert (empty / "results.json").exists()

@@ -3,6 +3,8 @@
 Runs in-process (one torch import) on 1 thread; CPU results are expected to be bit-identical.
 """
 import importlib.util
+import os
+import subprocess
 import json
 import shutil
 import sys
@@ -256,3 +258,17 @@ def test_model_card_is_filled_from_the_measurements(ref):
     card = btc.model_card(out)
     assert "| tev | 4 | 0 |" in card and "PSF" in card
     assert f"{summary['target']['params']:,}" in card
+
+
+@pytest.mark.parametrize("stage, needs", [("target", "tokenizer"), ("draft", "target"), ("bench", "draft")])
+def test_stage_out_of_order_exits_2(stage, needs, tmp_path):
+    """A stage run before the one it reads is a bad --stages value: status 2 and one line, as the
+    docs say for bad arguments (in-process: SystemExit with code 2 and the message)."""
+    with pytest.raises(SystemExit, match=f"run the {needs} stage first") as e:
+        run(tmp_path / "o", "--stages", stage)
+    assert e.value.code == 2
+    p = subprocess.run([sys.executable, str(SCRIPT), *QUICK, "--out", str(tmp_path / "p"), "--stages", stage],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (f"build_tiny_code.py: error: argument --stages: '{stage}' needs "
+                                f"{tmp_path / 'p' / needs}; run the {needs} stage first"), p.stderr

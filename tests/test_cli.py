@@ -188,9 +188,9 @@ def test_default_model_paths(tmp_path, monkeypatch, capsys):
 
 
 def test_no_command_and_version(capsys):
-    from sglang_tev.hf.runtime import GENERATION_METHODS
+    from sglang_tev.hf.runtime import GENERATION_METHODS, MAX_BUDGET
 
-    assert cli.METHODS == GENERATION_METHODS
+    assert cli.METHODS == GENERATION_METHODS and cli.MAX_BUDGET == MAX_BUDGET
     assert main([]) == 2
     assert main(["--version"]) == 0
     assert "sglang-tev 0.1.0" in capsys.readouterr().out
@@ -235,3 +235,175 @@ def test_draft_alone_pairs_with_the_shipped_target(capsys, tmp_path):
     rc = main(["generate", "--target", str(shipped_target), "--draft", str(shipped_target), "x"])
     out, err = capsys.readouterr()
     assert rc == 2 and "argument --draft:" in err and "looks like a target model" in err and out == ""
+
+
+# ---------------------------------------------------------------------------------------------- the CLI as a Unix tool
+
+def _cli_cmd(pair, *args):
+    target, draft = pair
+    return [sys.executable, "-m", "sglang_tev.cli", "generate", "--target", str(target), "--draft", str(draft),
+            "--device", "cpu", *args]
+
+
+def test_closed_stdout_exits_quietly_like_a_unix_tool(pair):
+    """`generate ... | head -n 2`: once the reader is gone, stop at the first failed write, no
+    BrokenPipeError traceback, exit status 128 + SIGPIPE as a shell reports for `yes | head`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    p = subprocess.Popen(_cli_cmd(pair, "--budget", "8", "--max-new-tokens", "64", "--ignore-eos", PROMPT),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # the reader is gone before the first write: deterministic EPIPE
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=120)
+    assert rc == 141, err
+    assert err == "", err  # not even the summary line: like `yes`, the tool just ends
+
+
+def test_pipe_into_head_has_no_traceback():
+    """The README's pair through a real shell pipe (head reads two lines and exits)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    cmd = (f"{sys.executable} -m sglang_tev.cli generate --device cpu --max-new-tokens 256 --ignore-eos "
+           "'def fibonacci(n):' | head -n 2")
+    p = subprocess.run(["bash", "-c", cmd], capture_output=True, env=env, timeout=180)
+    err = p.stderr.decode()
+    assert p.returncode == 0 and len(p.stdout.decode().splitlines()) <= 2
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+
+
+class _Tty:
+    """A terminal stand-in: both streams write into one shared screen."""
+
+    def __init__(self, screen, tty=True):
+        self.screen, self.tty = screen, tty
+
+    def write(self, s):
+        self.screen.append(s)
+        return len(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_summary_starts_on_its_own_line_on_a_terminal(monkeypatch, pair, ref, tty):
+    expected = ref.generate(PROMPT, budget=8, max_new_tokens=12, ignore_eos=True)
+    assert expected.text and not expected.text.endswith("\n")
+    screen = []
+    monkeypatch.setattr(sys, "stdout", _Tty(screen, tty))
+    monkeypatch.setattr(sys, "stderr", _Tty(screen, tty))
+    target, draft = pair
+    rc = main(["generate", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--budget", "8",
+               "--max-new-tokens", "12", "--ignore-eos", PROMPT])
+    assert rc == 0
+    shown = "".join(screen)
+    # on a terminal a newline goes to stderr first; a file or pipe gets exactly the text
+    assert shown.startswith(expected.text + ("\n[sglang-tev] " if tty else "[sglang-tev] ")), shown
+
+
+def test_prompt_from_stdin(monkeypatch, capsys, pair, ref):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    rc, out, err = run_cli(capsys, pair, "--budget", "8", "--max-new-tokens", "16", "-")
+    assert rc == 0, err
+    assert out == ref.generate(PROMPT, budget=8, max_new_tokens=16).text
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    rc, out, err = run_cli(capsys, pair, "-")
+    assert rc == 2 and "argument PROMPT: stdin is empty" in err and out == ""
+
+
+def test_prompts_from_a_file(capsys, tmp_path, pair, ref):
+    import json
+
+    prompts = [PROMPT, "class Stack:\n", "import os\n"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[:2]) + "\n"
+                     + json.dumps({"messages": [{"role": "user", "content": prompts[2]}], "id": "last"}) + "\n")
+    txt = tmp_path / "p.txt"
+    txt.write_text("def f(x):\n\nclass A:\n")  # one prompt per non-empty line
+    for path, want, ids in [(jsonl, prompts, ["p.jsonl:1", "p.jsonl:2", "last"]),
+                            (txt, ["def f(x):", "class A:"], ["p.txt:1", "p.txt:3"])]:
+        rc, out, err = run_cli(capsys, pair, "--budget", "8", "--max-new-tokens", "10", "--prompts-file", str(path))
+        assert rc == 0, err
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert [r["id"] for r in rows] == ids
+        for r, p in zip(rows, want):
+            exp = ref.generate(p, budget=8, max_new_tokens=10)
+            assert r["text"] == exp.text and r["new_tokens"] == len(exp.token_ids)
+            assert r["finish_reason"] == exp.finish_reason and r["rounds"] == len(exp.rounds)
+        assert err.count("[sglang-tev]") == 1 and f"{len(want)} prompts" in err, err
+    rc, out, err = run_cli(capsys, pair, "--prompts-file", str(jsonl), PROMPT)
+    assert rc == 2 and "argument --prompts-file: not allowed with PROMPT" in err
+    rc, out, err = run_cli(capsys, pair, "--prompts-file", str(tmp_path / "none.jsonl"))
+    assert rc == 2 and "argument --prompts-file:" in err and "no such file" in err
+    (tmp_path / "blank.txt").write_text("\n \n")
+    rc, out, err = run_cli(capsys, pair, "--prompts-file", str(tmp_path / "blank.txt"))
+    assert rc == 2 and "argument --prompts-file:" in err and "no prompts" in err
+
+
+def test_help_has_examples(capsys):
+    for cmd in ("generate", "bench"):
+        assert main([cmd, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "examples:" in out and f"sglang-tev {cmd} " in out.split("examples:")[1]
+    assert main(["--help"]) == 0
+    assert "examples:" in capsys.readouterr().out
+
+
+ONE_LINE = [
+    (["generate", "--budget", "abc", "x"], "argument --budget: invalid int value: 'abc'"),
+    (["generate", "--temperature", "hot", "x"], "argument --temperature: invalid float value: 'hot'"),
+    (["generate", "--verifier", "bogus", "x"], "argument --verifier: invalid choice: 'bogus'"),
+    (["generate", "--budget", "-1", "x"], "argument --budget: must be >= 0, got -1"),
+    (["generate"], "argument PROMPT: give a prompt, '-' to read it from stdin, or --prompts-file FILE"),
+    (["generate", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    (["bench", "--budgets", "a,b", "--dataset", "humaneval"], "argument --budgets: expected comma-separated integers"),
+    (["bench"], "the following arguments are required: --dataset"),
+    (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
+]
+
+
+@pytest.mark.parametrize("argv,says", ONE_LINE, ids=["_".join(a)[:30] for a, _ in ONE_LINE])
+def test_every_bad_value_is_one_line_and_status_2(capsys, argv, says):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err  # no usage block
+    prog = "sglang-tev" if argv[0] == "bogus" else f"sglang-tev {argv[0]}"
+    assert lines[0].startswith(f"{prog}: error: ") and says in lines[0], err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before a cheap check")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", refuse)
+
+
+CHEAP = [
+    (["--budget", "2000"], "argument --budget: must be <= 1024"),
+    (["--block-size", "99"], "argument --block-size: must be in [2, 4] (the drafter's block size), got 99"),
+    (["--block-size", "1"], "argument --block-size: must be >= 2"),
+    (["--target", "{missing}"], "argument --target: no model directory at"),
+    (["--draft", "{missing}"], "argument --draft: no model directory at"),
+    (["--prompt-is-empty"], "argument PROMPT: the prompt is empty"),
+]
+
+
+@pytest.mark.parametrize("args,says", CHEAP, ids=[c[0][0] + "_" + c[0][-1] for c in CHEAP])
+def test_cheap_checks_run_before_any_model_load(capsys, tmp_path, pair, no_model_load, args, says):
+    target, draft = pair
+    opts = {"--target": str(target), "--draft": str(draft)}
+    empty = args == ["--prompt-is-empty"]
+    args = [] if empty else [str(tmp_path / "nope") if a == "{missing}" else a for a in args]
+    for a in args:
+        opts.pop(a, None)
+    rc = main(["generate", *[x for kv in opts.items() for x in kv], *args, "" if empty else PROMPT])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", err
+    assert says in err and len(err.splitlines()) == 1, err
+    assert "target: target:" not in err and "draft: draft:" not in err and "--target: target" not in err

@@ -10,14 +10,21 @@ Files written to ``output_dir``:
 * ``results.json`` — one record per (method, budget, T), keys :data:`RECORD_KEYS`:
   ``tau`` = total emitted tokens / total rounds over all prompts (DESIGN §3: mean(accept_len + 1),
   a round cut by a stop or by max_new_tokens counts what it emitted); ``accept_len_mean`` and
-  ``coverage_mean`` (C_p, paper Eq. 6) are means over the same rounds; ``tokens_per_s`` = total
-  new tokens / total decode seconds (prefill excluded); ``speedup`` = tokens_per_s over the
-  autoregressive record at the same T (null without one); ``stage_ms`` = mean wall ms per round of
-  each stage in :data:`~sglang_tev.hf.runtime.STAGES`; ``budget`` is null for autoregressive and
-  chain; ``skipped_prompts`` = prompts too long for the model (prompt tokens + 1 > positions).
+  ``coverage_mean`` (C_p, paper Eq. 6) are means over the same rounds. Speed is robust to a busy
+  machine: every (configuration, prompt) is decoded ``repeats`` times (same seed, same tokens)
+  and its rate is new tokens / the median decode seconds (prefill excluded); ``tokens_per_s`` is
+  the median of those per-prompt rates and ``tokens_per_s_iqr`` their [25th, 75th] percentiles;
+  ``speedup`` is the median over prompts of the per-prompt rate over the autoregressive rate at
+  the same T (paired; null without an autoregressive record), ``speedup_iqr`` its quartiles;
+  ``repeat_spread`` = median over prompts of (max - min) / median of the repeats' decode seconds
+  (0 with one repeat): the timing noise of the machine. ``stage_ms`` = mean wall ms per round of
+  each stage in :data:`~sglang_tev.hf.runtime.STAGES` (first repeat); ``budget`` is null for
+  autoregressive and chain; ``skipped_prompts`` = prompts too long for the model (prompt tokens
+  + 1 > positions).
 * ``outputs.jsonl`` — one line per (configuration, prompt): the new token ids, text, finish reason,
-  tokens emitted per round.
-* ``meta.json`` — command line, machine, versions, device, dtype, date, settings.
+  tokens emitted per round, the median and every repeat's decode seconds.
+* ``meta.json`` — command line, machine, versions, device, dtype, date, settings, ``target_path``
+  (once; the CLI adds ``draft_path``).
 * ``tau_hist.png`` — tokens emitted per round, one panel per (method, budget), temperatures
   overlaid; ``stage_ms.png`` — stacked mean stage ms per round, one panel per temperature.
 
@@ -31,6 +38,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -44,7 +52,8 @@ __all__ = ["run_bench", "bench_configs", "format_table", "DEFAULT_METHODS", "REC
 DEFAULT_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential")
 TREE_METHODS = ("tev", "predraw", "sequential", "greedy")  # DDTree + this verifier, one run per budget
 RECORD_KEYS = ("method", "budget", "temperature", "prompts", "new_tokens", "rounds", "tau",
-               "accept_len_mean", "coverage_mean", "tokens_per_s", "speedup", "stage_ms", "skipped_prompts")
+               "accept_len_mean", "coverage_mean", "tokens_per_s", "tokens_per_s_iqr", "speedup", "speedup_iqr",
+               "repeats", "repeat_spread", "stage_ms", "skipped_prompts")
 GREEDY_EPS = 1e-5
 
 
@@ -65,7 +74,7 @@ def bench_configs(methods: Sequence[str], budgets: Sequence[int], temperatures: 
     return out
 
 
-def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed):
+def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed, repeats=1):
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("methods must name at least one method")
@@ -88,6 +97,8 @@ def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed)
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     if generator.drafter is None and any(m != "autoregressive" for m in methods):
         raise ValueError("methods: speculative methods need a drafter; load one or use methods=['autoregressive']")
     return methods, budgets, temperatures
@@ -118,11 +129,29 @@ def _encode_all(generator, prompts, chat_template, log):
     return kept, skipped
 
 
-def _record(method, budget, T, runs, skipped) -> dict:
+def _quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(25th, 50th, 75th) percentiles, linear interpolation (numpy's default)."""
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _prompt_rates(runs, times) -> list[float]:
+    """Per prompt: new tokens / median decode seconds over the repeats."""
+    return [len(res.token_ids) / statistics.median(ts) if statistics.median(ts) > 0 else 0.0
+            for res, ts in zip(runs, times)]
+
+
+def _record(method, budget, T, runs, times, skipped) -> dict:
+    """``runs``: the first repeat's result per prompt; ``times``: every repeat's decode seconds per prompt."""
     rounds = [r for res in runs for r in res.rounds]
     n_rounds = max(1, len(rounds))
     new_tokens = sum(len(res.token_ids) for res in runs)
-    decode_s = sum(res.decode_s for res in runs)
+    q1, med, q3 = _quartiles(_prompt_rates(runs, times))
+    spread = statistics.median((max(ts) - min(ts)) / statistics.median(ts) if statistics.median(ts) > 0 else 0.0
+                               for ts in times)
     return {
         "method": method,
         "budget": budget,
@@ -133,21 +162,30 @@ def _record(method, budget, T, runs, skipped) -> dict:
         "tau": sum(r.emitted for r in rounds) / n_rounds,
         "accept_len_mean": sum(r.accept_len for r in rounds) / n_rounds,
         "coverage_mean": sum(r.coverage for r in rounds) / n_rounds,
-        "tokens_per_s": new_tokens / decode_s if decode_s > 0 else 0.0,
+        "tokens_per_s": med,
+        "tokens_per_s_iqr": [q1, q3],
         "speedup": None,
+        "speedup_iqr": None,
+        "repeats": len(times[0]),
+        "repeat_spread": float(spread),
         "stage_ms": {s: sum(r.stage_ms.get(s, 0.0) for r in rounds) / n_rounds for s in STAGES},
         "skipped_prompts": skipped,
     }
 
 
-def _add_speedups(records: list[dict]) -> None:
-    base = {r["temperature"]: r["tokens_per_s"] for r in records if r["method"] == "autoregressive"}
+def _add_speedups(records: list[dict], rates: dict) -> None:
+    """Paired speed-up: per prompt, rate / the autoregressive rate at the same T; median and quartiles."""
+    base = {r["temperature"]: rates[(r["method"], r["budget"], r["temperature"])]
+            for r in records if r["method"] == "autoregressive"}
     for r in records:
         b = base.get(r["temperature"])
-        if r["method"] == "autoregressive":
-            r["speedup"] = 1.0
-        elif b:
-            r["speedup"] = r["tokens_per_s"] / b
+        if b is None:
+            continue
+        mine = rates[(r["method"], r["budget"], r["temperature"])]
+        ratios = [x / y for x, y in zip(mine, b) if y > 0]
+        if ratios:
+            q1, med, q3 = _quartiles(ratios)
+            r["speedup"], r["speedup_iqr"] = med, [q1, q3]
 
 
 def _label(method: str, budget: int | None) -> str:
@@ -155,14 +193,20 @@ def _label(method: str, budget: int | None) -> str:
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """A plain-text table: method, budget, T, tau, accept_len, coverage, tok/s, speedup."""
-    head = ("method", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "speedup")
+    """A plain-text table: method, budget, T, tau, accept_len, coverage, tok/s and speedup (medians
+    over prompts) each with its interquartile range, and the repeats' timing spread."""
+    head = ("method", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "tok/s IQR", "speedup", "speedup IQR",
+            "repeat spread")
     rows = [head]
     for r in records:
+        t1, t3 = r["tokens_per_s_iqr"]
         rows.append((
             r["method"], "-" if r["budget"] is None else str(r["budget"]), f"{r['temperature']:g}",
             f"{r['tau']:.3f}", f"{r['accept_len_mean']:.3f}", f"{r['coverage_mean']:.3f}",
-            f"{r['tokens_per_s']:.1f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            f"{r['tokens_per_s']:.1f}", f"{t1:.1f}-{t3:.1f}",
+            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            "-" if r["speedup_iqr"] is None else f"{r['speedup_iqr'][0]:.2f}-{r['speedup_iqr'][1]:.2f}x",
+            f"{100 * r['repeat_spread']:.0f}%" if r["repeats"] > 1 else "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -255,7 +299,7 @@ def _meta(generator, command, extra, settings) -> dict:
         "versions": {"sglang_tev": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "device": str(generator.device),
         "dtype": str(generator.target.dtype).removeprefix("torch."),
-        "target": getattr(generator.config, "_name_or_path", None),
+        "target_path": getattr(generator.config, "_name_or_path", None),  # the CLI's own value overrides
         "max_positions": generator.max_positions,
         "block_size": getattr(generator.drafter, "block_size", None),
         **settings,
@@ -284,6 +328,8 @@ def run_bench(
     chat_template: bool = True,
     ignore_eos: bool = False,
     warmup: bool = True,
+    repeats: int = 3,
+    overwrite: bool = False,
     progress: bool = True,
     plots: bool = True,
     command: str | None = None,
@@ -304,9 +350,12 @@ def run_bench(
         methods: a subset of :data:`~sglang_tev.hf.runtime.GENERATION_METHODS`.
         seed: prompt i is decoded with seed ``seed + i`` by every configuration.
         output_dir: where results.json, outputs.jsonl, meta.json and the plots go (created);
-            None writes nothing.
+            None writes nothing. An existing non-empty directory is refused unless ``overwrite``.
         warmup: first run every method once on the first prompt (4 tokens, untimed) so one-time
             costs do not land on the first configuration.
+        repeats: decode every (configuration, prompt) this many times, >= 1; the per-prompt rate
+            uses the median decode time, tokens and round statistics come from the first repeat.
+        overwrite: write into a non-empty ``output_dir`` (its files of these names are replaced).
         progress: a tqdm bar over (configuration x prompt) on stderr.
         command: the command line recorded in meta.json.
         meta: extra keys for meta.json.
@@ -317,22 +366,27 @@ def run_bench(
 
     Raises:
         ValueError naming the argument: unknown method, budget < 0 or > MAX_BUDGET, temperature < 0,
-        max_new_tokens < 1, 'greedy' at a temperature > 0, a speculative method without a drafter,
-        or no prompt left after skipping.
+        max_new_tokens < 1, repeats < 1, 'greedy' at a temperature > 0, a speculative method without
+        a drafter, a non-empty ``output_dir`` without ``overwrite``, or no prompt left after
+        skipping. All are raised before anything is written.
     """
     from tqdm import tqdm
 
-    methods, budgets, temperatures = _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed)
+    methods, budgets, temperatures = _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed,
+                                                 repeats)
+    out_dir = None if output_dir is None else Path(output_dir)
+    if out_dir is not None and not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ValueError(f"output_dir: {out_dir} exists and is not empty (results of an earlier run?); "
+                         "choose another or pass overwrite=True")
     kept, skipped = _encode_all(generator, prompts, chat_template, log)
     if not kept:
         raise ValueError(f"prompts: none of the {len(prompts)} prompts fits the model's {generator.max_positions} positions")
     configs = bench_configs(methods, budgets, temperatures)
-    out_dir = None if output_dir is None else Path(output_dir)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         settings = {"budgets": budgets, "temperatures": temperatures, "max_new_tokens": max_new_tokens,
                     "methods": methods, "seed": seed, "chat_template": bool(chat_template and getattr(generator.tokenizer, "chat_template", None)), "ignore_eos": ignore_eos,
-                    "prompts": len(kept), "skipped_prompts": skipped}
+                    "repeats": repeats, "prompts": len(kept), "skipped_prompts": skipped}
         _write_json(out_dir / "meta.json", _meta(generator, command, meta, settings))
 
     def gen(method, budget, T, ids, s, n):
@@ -348,15 +402,23 @@ def run_bench(
 
     records: list[dict] = []
     emitted: dict = {}
+    rates: dict = {}
     outputs_f = open(out_dir / "outputs.jsonl", "w", encoding="utf-8") if out_dir is not None else None
-    bar = tqdm(total=len(configs) * len(kept), desc="bench", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(configs) * len(kept) * repeats, desc="bench", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
     try:
         for method, budget, T in configs:
             bar.set_postfix_str(f"{_label(method, budget)} T={T:g}")
-            runs = []
+            runs, times = [], []
             for i, pid, ids in kept:
                 res = gen(method, budget, T, ids, seed + i, max_new_tokens)
+                ts = [res.decode_s]
+                bar.update(1)
+                for _ in range(repeats - 1):  # same seed: same tokens; only the clock differs
+                    ts.append(gen(method, budget, T, ids, seed + i, max_new_tokens).decode_s)
+                    bar.update(1)
                 runs.append(res)
+                times.append(ts)
                 if outputs_f is not None:
                     outputs_f.write(json.dumps({
                         "method": method, "budget": budget, "temperature": T, "prompt_index": i,
@@ -364,16 +426,16 @@ def run_bench(
                         "text": res.text, "finish_reason": res.finish_reason, "rounds": len(res.rounds),
                         "emitted_per_round": [r.emitted for r in res.rounds],
                         "accept_len_per_round": [r.accept_len for r in res.rounds],
-                        "decode_s": res.decode_s, "prefill_s": res.prefill_s,
+                        "decode_s": statistics.median(ts), "decode_s_repeats": ts, "prefill_s": res.prefill_s,
                     }) + "\n")
-                bar.update(1)
-            records.append(_record(method, budget, T, runs, skipped))
+            records.append(_record(method, budget, T, runs, times, skipped))
+            rates[(method, budget, T)] = _prompt_rates(runs, times)
             emitted[(method, budget, T)] = [r.emitted for res in runs for r in res.rounds]
     finally:
         bar.close()
         if outputs_f is not None:
             outputs_f.close()
-    _add_speedups(records)
+    _add_speedups(records, rates)
 
     if out_dir is not None:
         _write_json(out_dir / "results.json", records)

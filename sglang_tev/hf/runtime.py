@@ -35,6 +35,7 @@ from ..sampling import SamplingParams
 from ..tree import DraftTree, tree_attention_mask
 from ..verify import METHODS as VERIFIERS
 from ..verify import verify_tree
+from .assets import shipped_pair_default
 
 __all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "GENERATION_METHODS", "STAGES", "MAX_BUDGET"]
 
@@ -185,9 +186,10 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------ loading
     @classmethod
+    @shipped_pair_default  # target None / "tiny-code": the shipped pair; no progress bars while loading
     def from_pretrained(
         cls,
-        target: str | os.PathLike,
+        target: str | os.PathLike | None = None,
         draft: str | os.PathLike | None = None,
         *,
         dtype: torch.dtype | None = None,
@@ -196,7 +198,9 @@ class SpeculativeGenerator:
         """Load a target (HF directory with tokenizer) and a z-lab DFlash drafter from disk.
 
         Args:
-            target: directory of the target model and its tokenizer.
+            target: directory of the target model and its tokenizer; None or ``"tiny-code"``: the
+                pair shipped in the package (hf/assets.py), its drafter too unless ``draft`` is
+                given (``draft=False``: none).
             draft: directory of the DFlash drafter (z-lab layout), or None.
             dtype: default float32 on CPU, bfloat16 on CUDA.
             device: default CUDA when available, else CPU.
