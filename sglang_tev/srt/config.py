@@ -140,7 +140,8 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
         ValueError naming the flag or variable: a bad ``SGLANG_TEV_*`` value; a device other than
         CUDA; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
         a tree size N outside [2, 1024]; an explicitly chosen attention backend outside
-        :data:`SUPPORTED_ATTENTION_BACKENDS`; ``--speculative-eagle-topk`` other than 1;
+        :data:`SUPPORTED_ATTENTION_BACKENDS`; explicit decode CUDA graphs
+        (``--cuda-graph-backend-decode`` other than disabled); ``--speculative-eagle-topk`` other than 1;
         ``--speculative-draft-window-size`` (compact draft cache); rejection sampling or block
         verification (TEV is its own exact verifier); accept thresholds other than 1.
     """
@@ -174,6 +175,11 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
             raise ValueError(
                 f"TEV: {flag} {explicit!r} does not apply the tree mask on target verify; use one of {SUPPORTED_ATTENTION_BACKENDS}"
             )
+    graph = _raw(sa, "cuda_graph_backend_decode")
+    if graph is not None and str(graph) != "disabled":
+        raise ValueError(
+            f"TEV: --cuda-graph-backend-decode {graph!r}: decode CUDA graphs do not carry the tree mask yet; leave it unset or 'disabled'"
+        )
     topk = getattr(sa, "speculative_eagle_topk", None)
     if topk is not None and int(topk) != 1:
         raise ValueError(f"TEV: --speculative-eagle-topk must be 1 or unset (SGLANG_TEV_TOPK sets the DDTree width), got {topk}")
