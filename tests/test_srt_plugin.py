@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("sglang") is None:
+    if os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":  # set by .ci/run: never skip in CI
+        raise RuntimeError("SGLANG_TEV_REQUIRE_SGLANG=1 but sglang is not installed")
     pytest.skip("sglang is not installed (pip install 'sglang-tev[sglang]'); the plugin tests need it", allow_module_level=True)
 
 import torch  # noqa: E402
@@ -264,3 +266,37 @@ def test_worker_module_imports_on_cpu_and_subclasses_dflash_v2():
     assert algo.create_worker(sa) is TEVWorker
     assert META_INFO_KEYS == ("tev_accept_length", "tev_exit_depth", "tev_coverage")
     assert torch.is_tensor(torch.zeros(1))
+
+
+def test_smoke_script_refuses_without_a_gpu():
+    """scripts/sglang_smoke.py parses its arguments and, with no CUDA GPU, exits 2 saying why."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run scripts/sglang_smoke.py itself")
+    script = ROOT / "scripts" / "sglang_smoke.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(script), "--budget", "8", "--batch", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "no CUDA GPU" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--budget" in res.stdout
+
+
+def test_algo_helpers_without_a_published_or_readable_config():
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_tev.srt.algo import read_draft_block_size
+
+    algo = SpeculativeAlgorithm.from_string("TEV")
+    ns = SimpleNamespace(speculative_num_draft_tokens=9, speculative_dflash_block_size=16)
+    assert algo.resolve_max_speculative_num_draft_tokens(ns) == 16  # the block is wider than the tree
+    ns = SimpleNamespace(speculative_num_draft_tokens=None, speculative_dflash_block_size=None)
+    assert algo.resolve_max_speculative_num_draft_tokens(ns) is None
+    missing = SimpleNamespace(
+        speculative_draft_model_path=str(ROOT / "no-such-drafter"), trust_remote_code=False,
+        speculative_draft_model_revision=None, json_model_override_args="{}",
+    )  # fmt: skip
+    assert read_draft_block_size(missing) is None  # resolve_server_args then asks for the flag
+    found = SimpleNamespace(**{**vars(missing), "speculative_draft_model_path": str(TINY / "draft")})
+    assert read_draft_block_size(found) == 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import math
+import os
 
 import numpy as np
 import pytest
@@ -30,6 +31,8 @@ from sglang_tev.srt.round import (
 from sglang_tev.verify import VerifyOutput
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+if not HAVE_SGLANG and os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":  # set by .ci/run
+    raise RuntimeError("SGLANG_TEV_REQUIRE_SGLANG=1 but sglang is not installed")
 needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (pip install 'sglang-tev[sglang]')")
 
 

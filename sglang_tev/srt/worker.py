@@ -29,7 +29,12 @@ from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_f
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.scheduler import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    enable_num_token_non_padded,
+)
 from sglang.srt.models.dflash import candidate_topk
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -71,7 +76,10 @@ class TEVWorker(DFlashWorkerV2):
         self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
         self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=self.block_size, device=self.device)
         self.speculative_num_draft_tokens = self.tev.tree_size
-        self._draft_block_ids_buf = None  # rebuilt at the new width by _ensure_draft_block_buffers
+        # DFlash's fused draft-KV writer is sized at construction (with N); use the per-layer
+        # prefix-valid writer, which takes any window width
+        self._use_fused_kv_materialize = False
+        self._fused_kv_helper = None
         # identical seeds on every TP rank, so ranks draw identical uniforms
         self._tev_generator = torch.Generator(device=self.device)
         self._tev_generator.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
@@ -89,7 +97,7 @@ class TEVWorker(DFlashWorkerV2):
         return self._tev_decode(batch, on_publish)
 
     # ------------------------------------------------------------------ the round
-    def _draft_topk(self, batch, draft_input):
+    def _draft_topk(self, batch, draft_input, seq_lens_cpu):
         """Draft block forward -> (topk_logprobs [bs, K-1, k], topk_ids [bs, K-1, k])."""
         bs = len(batch.seq_lens)
         K = self.block_size
@@ -112,10 +120,13 @@ class TEVWorker(DFlashWorkerV2):
             draft_token_num=K,
             device=dev,
         )
-        emb = embed(block_ids)
+        if self._full_embed_gpu is not None:
+            emb = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
+        else:
+            emb = embed(block_ids)
         if self._noise_embed_scale != 1.0:
             emb = emb * self._noise_embed_scale
-        seq_lens_cpu = batch.seq_lens_cpu + K
+        seq_lens_cpu = seq_lens_cpu + K  # host bound: committed prefix + the block (as DFlash)
         plan = self.target_worker.model_runner.kv_index_translator.plan(
             req_pool_indices=batch.req_pool_indices,
             seq_lens=prefix,
@@ -137,6 +148,9 @@ class TEVWorker(DFlashWorkerV2):
             spec_algorithm=SpeculativeAlgorithm.DFLASH,
             spec_info=self._draft_block_spec_info,
             capture_hidden_mode=CaptureHiddenMode.NULL,
+            num_token_non_padded=(
+                torch.full((), bs * K, dtype=torch.int32, device=dev) if enable_num_token_non_padded() else None
+            ),
             global_num_token_non_padded_cpu=bs * K,
             can_run_decode_cuda_graph=False,
         )
@@ -159,7 +173,7 @@ class TEVWorker(DFlashWorkerV2):
         seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix.cpu()
 
         # 1) draft -> tree
-        logq, ids = self._draft_topk(batch, draft_input)
+        logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu)
         tree = build_trees(logq, ids, self.tev.budget, draft_input.bonus_tokens.view(-1).to(torch.int64), self.tev.max_depth)
         layout = tree_verify_layout(tree, prefix, int(seq_lens_cpu.sum()))
 
@@ -189,11 +203,25 @@ class TEVWorker(DFlashWorkerV2):
             kv_loc_plan=kv_plan,
         )
         batch.out_cache_loc = out_cache_loc
-        fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        # backend planning reads a host bound of committed prefix + window, as in DFlash's verify;
+        # the mask's per-request offsets come from the device seq_lens (the committed prefix)
+        saved = (batch.seq_lens_cpu, batch.seq_lens_sum)
+        batch.seq_lens_cpu = seq_lens_cpu + N
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        try:
+            fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
         fb.can_run_decode_cuda_graph = False
-        target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        target_out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=fb, is_verify=True, skip_attn_backend_init=True
+        )
         logits_output: LogitsProcessorOutput = target_out.logits_output
         logits = logits_output.next_token_logits
+        target_lp = self._target_logits_processor
+        if target_lp is not None and target_lp.is_deferred_shard(logits):
+            logits = target_lp.finish_deferred_gather(logits)
+            logits_output.next_token_logits = logits
         sampling_info = batch.sampling_info
         apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N)
 
@@ -207,8 +235,9 @@ class TEVWorker(DFlashWorkerV2):
         plan = commit_outputs(tree, out, prefix)
 
         # 4) commit: accepted path to the front of each window (KV and hidden rows)
-        src = out_cache_loc[plan.src_rows.reshape(-1)]
-        dst = out_cache_loc[plan.dst_rows.reshape(-1)]
+        target_ids = kv_plan.write_ids(self.model_runner.kv_index_translator)  # physical slots of the window
+        src = target_ids[plan.src_rows.reshape(-1)]
+        dst = target_ids[plan.dst_rows.reshape(-1)]
         self.model_runner.token_to_kv_pool_allocator.get_kvcache().move_kv_cache(dst, src)
         hidden = compact_rows(logits_output.hidden_states, plan)
         if on_publish is not None:
