@@ -414,3 +414,83 @@ def test_seeded_uniforms_reproducible_and_uniform():
     assert stats.kstest(many[:, 1].numpy(), "uniform").pvalue > 1e-6
     assert abs(float(np.corrcoef(many[:, 0].numpy(), many[:, 1].numpy())[0, 1])) < 0.05
     assert math.isclose(float(many.mean()), 0.5, abs_tol=0.01)
+
+
+# ---------------------------------------------------------------------- the round, composed
+def test_rounds_in_sglang_layout_are_greedy_identical_to_plain_decoding():
+    """Batched rounds of 4 requests with ragged prompt lengths on the shipped tiny target: tree
+    from an oracle drafter -> verify layout (flat FULL mask, positions) -> one target forward per
+    request that reads ONLY the flat layout -> verify_batch -> commit_outputs. The committed tokens
+    equal plain greedy decoding, and drafts are accepted (mean accept length >= 2)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_pretrained(
+        Path(__file__).resolve().parents[1] / "sglang_tev" / "assets" / "tiny-code" / "target", dtype=torch.float32
+    ).eval()
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, vocab, (L,), generator=g).tolist() for L in (5, 9, 3, 12)]
+    new_tokens, H, k, budget = 24, 5, 3, 16
+
+    @torch.no_grad()
+    def plain_greedy(ids, n):
+        ids = list(ids)
+        for _ in range(n):
+            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids
+
+    refs = [plain_greedy(p, new_tokens + 2 * (H + 1)) for p in prompts]
+    ctx = [list(p) for p in prompts]
+    accepts = []
+    while min(len(c) - len(p) for c, p in zip(ctx, prompts)) < new_tokens:
+        bs = len(ctx)
+        seq = torch.tensor([len(c) - 1 for c in ctx])  # cached tokens; the last token is the root
+        roots = torch.tensor([c[-1] for c in ctx])
+        # oracle drafter: depth j's list ranks the true greedy token first with probability 0.85
+        lq = torch.log(torch.tensor([0.6, 0.25, 0.15])).expand(bs, H, k).clone()  # siblings pop before deep nodes
+        ids = torch.randint(5, vocab, (bs, H, k), generator=g)
+        for b in range(bs):
+            for j in range(H):
+                if len(ctx[b]) + j >= len(refs[b]):  # finished requests keep decoding unchecked
+                    continue
+                truth = refs[b][len(ctx[b]) + j]
+                if float(torch.rand((), generator=g)) < 0.85:
+                    ids[b, j][ids[b, j] == truth] = (truth + 1) % vocab
+                    ids[b, j, 0] = truth  # the best-ranked token (lists are sorted best first)
+                else:
+                    ids[b, j][ids[b, j] == truth] = (truth + 1) % vocab
+                # distinct ids within a row
+                while len(set(ids[b, j].tolist())) < k:
+                    ids[b, j, 1:] = torch.randint(5, vocab, (k - 1,), generator=g)
+        tree = build_trees(lq, ids, budget, roots, max_depth=H)
+        lay = tree_verify_layout(tree, seq, int(seq.sum()))
+        n = tree.num_nodes
+        logits = torch.empty(bs * n, vocab)
+        start = 0
+        for b in range(bs):
+            s = int(seq[b])
+            rows = lay.custom_mask[start : start + n * (s + n)].view(n, s + n)  # request b's block
+            start += n * (s + n)
+            L = s + n
+            full = torch.zeros(L, L, dtype=torch.bool)
+            full[:s, :s] = torch.ones(s, s, dtype=torch.bool).tril()
+            full[s:] = rows
+            add = torch.zeros(1, 1, L, L).masked_fill_(~full, torch.finfo(torch.float32).min)
+            inp = torch.tensor([ctx[b][:-1] + lay.draft_token[b * n : (b + 1) * n].tolist()])
+            pos = torch.cat([torch.arange(s), lay.positions[b * n : (b + 1) * n]]).view(1, L)
+            with torch.no_grad():
+                logits[b * n : (b + 1) * n] = target(inp, position_ids=pos, attention_mask=add).logits[0, s:]
+        assert start == lay.custom_mask.numel()
+        out = verify_batch(tree, logits, SamplingParams(temperature=0.0))
+        plan = commit_outputs(tree, out, seq)
+        for b in range(bs):
+            c = int(plan.commit_lens[b])
+            ctx[b] += plan.out_tokens[b, :c].tolist()
+            assert int(plan.new_seq_lens[b]) == len(ctx[b]) - 1
+        accepts += out.accept_len.tolist()
+    for b in range(len(ctx)):
+        assert ctx[b][: len(prompts[b]) + new_tokens] == refs[b][: len(prompts[b]) + new_tokens]
+    assert sum(accepts) / len(accepts) >= 2.0
