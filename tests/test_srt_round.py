@@ -362,6 +362,16 @@ def test_sampling_info_law_equals_sampling_params_law():
         torch.testing.assert_close(got[r : r + 1], want, rtol=1e-6, atol=1e-7)
     # the greedy request is one-hot at the argmax
     assert torch.equal(got[0].argmax(-1), logits[0].argmax(-1)) and bool((got[0].max(-1).values == 1).all())
+    # stages no row uses are passed as scalars (skipped); the law is unchanged
+    info.need_top_p_sampling = info.need_min_p_sampling = False
+    info.top_ps = torch.ones(5)
+    info.min_ps = torch.zeros(5)
+    sp2 = sampling_params_from_info(info)
+    assert sp2.top_p == 1.0 and sp2.min_p == 0.0
+    torch.testing.assert_close(processed_probs(logits, sp2), processed_probs(logits, sampling_params_from_info(
+        SamplingBatchInfo(temperatures=info.temperatures, top_ps=info.top_ps, top_ks=info.top_ks, min_ps=info.min_ps,
+                          is_all_greedy=False, is_any_greedy=True, need_top_p_sampling=True, need_top_k_sampling=True,
+                          need_min_p_sampling=True, vocab_size=V, device="cpu"))))
     # all greedy -> a scalar 0 temperature, i.e. the argmax-follow path
     info.is_all_greedy = True
     assert sampling_params_from_info(info).temperature == 0.0

@@ -186,7 +186,8 @@ def sampling_params_from_info(sampling_info) -> SamplingParams:
 
     Args:
         sampling_info: an object with ``temperatures [bs, 1]``, ``top_ks [bs]``, ``top_ps [bs]``,
-            ``min_ps [bs]`` and ``is_all_greedy``.
+            ``min_ps [bs]``, ``is_all_greedy`` and optionally SGLang's ``need_top_k_sampling`` /
+            ``need_top_p_sampling`` / ``need_min_p_sampling`` (a stage no row uses is skipped).
     Returns:
         SamplingParams with [bs] tensors, or scalar temperature 0 when every row is greedy.
     """
@@ -197,11 +198,13 @@ def sampling_params_from_info(sampling_info) -> SamplingParams:
     greedy = top_ks <= 1
     temperature = torch.where(greedy, torch.zeros_like(temps), temps)
     top_k = torch.where((top_ks >= TOP_K_ALL) | greedy, torch.zeros_like(top_ks), top_ks)
+    # SGLang's need_* flags say whether any row uses a stage; an unused stage becomes a Python
+    # scalar, which processed_probs skips without touching the [bs, N, V] law (no sort)
     return SamplingParams(
         temperature=temperature,
-        top_k=top_k,
-        top_p=sampling_info.top_ps.view(-1).to(torch.float32),
-        min_p=sampling_info.min_ps.view(-1).to(torch.float32),
+        top_k=top_k if getattr(sampling_info, "need_top_k_sampling", True) else 0,
+        top_p=sampling_info.top_ps.view(-1).to(torch.float32) if getattr(sampling_info, "need_top_p_sampling", True) else 1.0,
+        min_p=sampling_info.min_ps.view(-1).to(torch.float32) if getattr(sampling_info, "need_min_p_sampling", True) else 0.0,
     )
 
 
