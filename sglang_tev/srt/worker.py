@@ -45,6 +45,7 @@ from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, 
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
+from ..verify import num_uniforms
 from .config import settings_from_server_args
 from .round import (
     build_trees,
@@ -229,8 +230,8 @@ class TEVWorker(DFlashWorkerV2):
         sampling = sampling_params_from_info(sampling_info)
         uniforms = None
         seeds = getattr(sampling_info, "sampling_seed", None)
-        if seeds is not None and self.tev.verifier == "tev":
-            uniforms = seeded_uniforms(seeds, prefix, 2)
+        if seeds is not None and not sampling.all_greedy():
+            uniforms = seeded_uniforms(seeds, prefix, num_uniforms(self.tev.verifier, N))
         out = verify_batch(tree, logits, sampling, self.tev.verifier, generator=self._tev_generator, uniforms=uniforms)
         plan = commit_outputs(tree, out, prefix)
 
