@@ -87,7 +87,8 @@ def run_mode(name: str, args, prompts: list[str]) -> dict:
         t0 = time.perf_counter()
         outs = engine.generate(prompts, greedy)
         dt = time.perf_counter() - t0
-        ids = [o.get("output_ids") for o in outs]
+        # token ids when SGLang returns them, else the text (never compare two missing values)
+        ids = [o.get("output_ids") if o.get("output_ids") is not None else o["text"] for o in outs]
         toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
         taus = [o["meta_info"].get("spec_accept_length") for o in outs]
         mixed = [dict(s, max_new_tokens=args.max_new_tokens) for s in mixed_sampling(len(prompts), args.seed)]
