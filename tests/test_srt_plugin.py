@@ -211,6 +211,7 @@ BAD = [
     (["--speculative-dflash-block-size", "1"], "block-size must be >= 2"),
     (["--attention-backend", "fa3"], "--attention-backend 'fa3' does not apply the tree mask"),
     (["--decode-attention-backend", "fa3", "--attention-backend", "triton"], "--decode-attention-backend 'fa3'"),
+    (["--prefill-attention-backend", "fa3", "--attention-backend", "triton"], "--prefill-attention-backend 'fa3'"),
     (["--cuda-graph-backend-decode", "full"], "decode CUDA graphs do not carry the tree mask"),
     (["--pp-size", "2"], "--pp-size must be 1"),
     (["--speculative-eagle-topk", "4"], "eagle-topk must be 1"),
