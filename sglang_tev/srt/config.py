@@ -1,0 +1,305 @@
+"""TEV settings for SGLang: read from existing server args and ``SGLANG_TEV_*`` variables.
+
+SGLang 0.5.23 has no plugin-owned CLI flags (``ServerArgs`` is a fixed msgspec struct), so TEV
+rides on existing fields (``../shared/notes/sglang-0.5.23-internals.md`` §1.5)::
+
+    --speculative-num-draft-tokens  N = B + 1   tree size: the root plus a budget of B drafted nodes
+    --speculative-dflash-block-size K           drafter block (default: the drafter's config)
+    --speculative-num-steps         D           max tree depth (default K - 1; 1 <= D <= K - 1)
+    SGLANG_TEV_VERIFIER             tev | predraw | sequential   (default tev)
+    SGLANG_TEV_TOPK                 k           per-depth list width of DDTree (default B)
+
+This module does not import sglang: :func:`resolve_server_args` works on any object with the
+``ServerArgs`` attribute names, in particular the ``_ForeignDefaults`` stand-in SGLang hands to a
+plugin's ``handle_server_args``, where plain attribute writes to real fields become resolution
+declarations (writes to non-fields are dropped, so nothing else is stored there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+__all__ = [
+    "TevSettings",
+    "VERIFIERS",
+    "SUPPORTED_ATTENTION_BACKENDS",
+    "MAX_TREE_SIZE",
+    "DEFAULT_TREE_SIZE",
+    "read_env",
+    "validate_server_args",
+    "resolve_server_args",
+    "settings_from_server_args",
+]
+
+logger = logging.getLogger(__name__)
+
+VERIFIERS = ("tev", "predraw", "sequential")
+"""Exact verifiers selectable with ``SGLANG_TEV_VERIFIER`` (``greedy`` is implied at T = 0)."""
+
+SUPPORTED_ATTENTION_BACKENDS = ("flashinfer", "triton")
+"""Backends that apply ``spec_info.custom_mask`` on TARGET_VERIFY in eager mode (notes §3.3).
+FA3 ignores the mask unless ``speculative_eagle_topk > 1`` and then reads it in its own cascade
+layout; it is refused rather than silently verifying a tree with a causal mask."""
+
+MAX_TREE_SIZE = 1024
+"""N <= 1024: one CUDA block per request in SGLang's tree kernels and this project's budget cap."""
+
+DEFAULT_TREE_SIZE = 65
+"""N when ``--speculative-num-draft-tokens`` is not given: a budget of B = 64 drafted nodes."""
+
+ENV_VERIFIER = "SGLANG_TEV_VERIFIER"
+ENV_TOPK = "SGLANG_TEV_TOPK"
+
+
+@dataclass(frozen=True)
+class TevSettings:
+    """Resolved TEV settings of one server.
+
+    Attributes:
+        tree_size: N = B + 1 nodes per request (root included); ``speculative_num_draft_tokens``.
+        block_size: K, the drafter's block (root + K - 1 mask slots); ``speculative_dflash_block_size``.
+        max_depth: D, deepest drafted node, 1 <= D <= K - 1; ``speculative_num_steps``.
+        topk: k, per-depth list width of the DDTree builder.
+        verifier: one of :data:`VERIFIERS`.
+    """
+
+    tree_size: int
+    block_size: int
+    max_depth: int
+    topk: int
+    verifier: str
+
+    @property
+    def budget(self) -> int:
+        """B = N - 1, drafted (non-root) nodes per tree."""
+        return self.tree_size - 1
+
+
+def _as_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"TEV: {name} must be an integer, got {value!r}")
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"TEV: {name} must be an integer, got {value!r}") from None
+    if isinstance(value, float) and out != value:
+        raise ValueError(f"TEV: {name} must be an integer, got {value!r}")
+    return out
+
+
+def read_env(environ: Optional[Mapping[str, str]] = None) -> tuple[str, Optional[int]]:
+    """Read ``SGLANG_TEV_VERIFIER`` and ``SGLANG_TEV_TOPK``.
+
+    Returns:
+        (verifier, topk or None when unset).
+    Raises:
+        ValueError naming the variable: a verifier outside :data:`VERIFIERS`, a top-k that is not an
+        integer >= 1.
+    """
+    env = os.environ if environ is None else environ
+    verifier = env.get(ENV_VERIFIER, "tev").strip().lower() or "tev"
+    if verifier not in VERIFIERS:
+        raise ValueError(f"TEV: {ENV_VERIFIER} must be one of {VERIFIERS}, got {env.get(ENV_VERIFIER)!r}")
+    raw = env.get(ENV_TOPK, "").strip()
+    topk = None
+    if raw:
+        try:
+            topk = int(raw)
+        except ValueError:
+            raise ValueError(f"TEV: {ENV_TOPK} must be an integer >= 1, got {raw!r}") from None
+        if topk < 1:
+            raise ValueError(f"TEV: {ENV_TOPK} must be an integer >= 1, got {raw!r}")
+    return verifier, topk
+
+
+def _backends(sa) -> tuple[Optional[str], Optional[str]]:
+    """(prefill, decode) attention backends, split fields falling back to ``attention_backend``."""
+    base = getattr(sa, "attention_backend", None)
+    prefill = getattr(sa, "prefill_attention_backend", None) or base
+    decode = getattr(sa, "decode_attention_backend", None) or base
+    return prefill, decode
+
+
+def _raw(sa, name: str):
+    """The operator's raw input for ``name`` (None when SGLang has not snapshotted it)."""
+    raw = getattr(sa, "_raw_input", None)
+    return raw.get(name) if isinstance(raw, dict) else getattr(sa, name, None)
+
+
+def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse combinations TEV does not support, one clear ValueError each.
+
+    Runs as the algorithm's ``validate_server_args`` (before :func:`resolve_server_args`) on the
+    stand-in SGLang passes; reads only.
+
+    Raises:
+        ValueError naming the flag or variable: a bad ``SGLANG_TEV_*`` value; a device other than
+        CUDA; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
+        a tree size N outside [2, 1024]; an explicitly chosen attention backend outside
+        :data:`SUPPORTED_ATTENTION_BACKENDS`; explicit decode CUDA graphs
+        (``--cuda-graph-backend-decode`` other than disabled); ``--speculative-eagle-topk`` other than 1;
+        ``--speculative-draft-window-size`` (compact draft cache); rejection sampling or block
+        verification (TEV is its own exact verifier); accept thresholds other than 1.
+    """
+    read_env(environ)
+    device = getattr(sa, "device", None)
+    if device is not None and not str(device).startswith("cuda"):
+        raise ValueError(f"TEV: --device must be cuda (the TEV worker runs on CUDA GPUs only), got {device!r}")
+    if int(getattr(sa, "pp_size", 1) or 1) != 1:
+        raise ValueError(f"TEV: --pp-size must be 1, got {sa.pp_size}")
+    if int(getattr(sa, "attn_dp_size", 1) or 1) > 1 or bool(getattr(sa, "enable_dp_attention", False)):
+        raise ValueError("TEV: attention data parallelism (--attn-dp-size > 1 / --enable-dp-attention) is not supported")
+    mode = getattr(sa, "disaggregation_mode", None)
+    if mode not in (None, "null"):
+        raise ValueError(f"TEV: --disaggregation-mode {mode!r} (prefill/decode disaggregation) is not supported")
+    if getattr(sa, "speculative_draft_model_path", None) is None:
+        raise ValueError("TEV: --speculative-draft-model-path is required (a DFlash drafter)")
+    n = getattr(sa, "speculative_num_draft_tokens", None)
+    if n is not None:
+        n = _as_int("--speculative-num-draft-tokens", n)
+        if not 2 <= n <= MAX_TREE_SIZE:
+            raise ValueError(
+                f"TEV: --speculative-num-draft-tokens is the tree size N = B + 1 and must be in [2, {MAX_TREE_SIZE}], got {n}"
+            )
+    for flag, name in (
+        ("--attention-backend", "attention_backend"),
+        ("--prefill-attention-backend", "prefill_attention_backend"),
+        ("--decode-attention-backend", "decode_attention_backend"),
+    ):
+        explicit = _raw(sa, name)
+        if explicit is not None and explicit not in SUPPORTED_ATTENTION_BACKENDS:
+            raise ValueError(
+                f"TEV: {flag} {explicit!r} does not apply the tree mask on target verify; use one of {SUPPORTED_ATTENTION_BACKENDS}"
+            )
+    graph = _raw(sa, "cuda_graph_backend_decode")
+    if graph is not None and str(graph) != "disabled":
+        raise ValueError(
+            f"TEV: --cuda-graph-backend-decode {graph!r}: decode CUDA graphs do not carry the tree mask yet; leave it unset or 'disabled'"
+        )
+    topk = getattr(sa, "speculative_eagle_topk", None)
+    if topk is not None and int(topk) != 1:
+        raise ValueError(f"TEV: --speculative-eagle-topk must be 1 or unset (SGLANG_TEV_TOPK sets the DDTree width), got {topk}")
+    if getattr(sa, "speculative_draft_window_size", None) is not None:
+        raise ValueError("TEV: --speculative-draft-window-size (compact draft KV cache) is not supported")
+    if bool(getattr(sa, "speculative_use_rejection_sampling", False)):
+        raise ValueError("TEV: --speculative-use-rejection-sampling does not apply; TEV is its own exact verifier")
+    if bool(getattr(sa, "speculative_use_block_verification", False)):
+        raise ValueError("TEV: --speculative-use-block-verification does not apply; TEV is its own exact verifier")
+    for flag, name in (
+        ("--speculative-accept-threshold-single", "speculative_accept_threshold_single"),
+        ("--speculative-accept-threshold-acc", "speculative_accept_threshold_acc"),
+    ):
+        val = getattr(sa, name, 1.0)
+        if val is not None and float(val) != 1.0:
+            raise ValueError(f"TEV: {flag} must be 1.0 (exact verification), got {val}")
+
+
+def resolve_server_args(
+    sa,
+    read_draft_block_size: Optional[Callable[[object], Optional[int]]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> TevSettings:
+    """Resolve TEV's settings with plain field writes on ``sa`` and check the derived limits.
+
+    Writes (each only where needed): ``speculative_num_draft_tokens`` (default 65),
+    ``speculative_dflash_block_size`` (the drafter's), ``speculative_num_steps`` (K - 1),
+    ``speculative_eagle_topk`` = 1, ``attention_backend`` = flashinfer when the automatic choice
+    does not apply tree masks, ``speculative_draft_attention_backend``,
+    ``disable_overlap_schedule`` = True and the decode phase of ``cuda_graph_config`` =
+    disabled (neither is supported yet), ``max_running_requests`` = 48 when unset (as DFLASH).
+
+    Args:
+        sa: ``ServerArgs``-like object (SGLang's stand-in in production).
+        read_draft_block_size: ``fn(sa) -> int | None``, the drafter config's block size; used
+            when ``--speculative-dflash-block-size`` is unset.
+        environ: environment mapping (default ``os.environ``).
+    Returns:
+        :class:`TevSettings`.
+    Raises:
+        ValueError naming the flag: block size < 2 or unknown; depth outside [1, K - 1] (depth
+        >= block size); a block larger than twice the tree (SGLang reserves 2N KV slots per
+        decode step and the draft block writes K of them); a top-k < 1; all
+        :func:`validate_server_args` cases.
+    """
+    validate_server_args(sa, environ)
+    verifier, topk = read_env(environ)
+
+    n = sa.speculative_num_draft_tokens
+    if n is None:
+        n = DEFAULT_TREE_SIZE
+        sa.speculative_num_draft_tokens = n
+    n = int(n)
+
+    k = sa.speculative_dflash_block_size
+    if k is None:
+        k = read_draft_block_size(sa) if read_draft_block_size is not None else None
+        if k is None:
+            raise ValueError(
+                "TEV: the drafter's block size is unknown (no block_size in its config); pass --speculative-dflash-block-size"
+            )
+        sa.speculative_dflash_block_size = int(k)
+    k = _as_int("--speculative-dflash-block-size", k)
+    if k < 2:
+        raise ValueError(f"TEV: --speculative-dflash-block-size must be >= 2 (root + at least one draft slot), got {k}")
+    if k > 2 * n:
+        raise ValueError(
+            f"TEV: --speculative-dflash-block-size {k} exceeds 2 x the tree size N = {n}: SGLang reserves 2N KV slots "
+            f"per request and step, and the draft block writes {k}; raise --speculative-num-draft-tokens to >= {(k + 1) // 2}"
+        )
+
+    d = sa.speculative_num_steps
+    if d is None:
+        d = k - 1
+        sa.speculative_num_steps = d
+    d = _as_int("--speculative-num-steps", d)
+    if not 1 <= d <= k - 1:
+        raise ValueError(
+            f"TEV: --speculative-num-steps is the max tree depth and must be in [1, block size - 1 = {k - 1}], got {d}"
+        )
+    if topk is None:
+        topk = n - 1
+    if sa.speculative_eagle_topk is None:
+        sa.speculative_eagle_topk = 1
+
+    prefill, decode = _backends(sa)
+    if decode not in SUPPORTED_ATTENTION_BACKENDS or prefill not in SUPPORTED_ATTENTION_BACKENDS:
+        # only automatic choices reach here (explicit ones were refused above)
+        logger.warning("TEV: attention backend %s/%s does not apply tree masks; using flashinfer", prefill, decode)
+        sa.attention_backend = "flashinfer"
+        if sa.prefill_attention_backend not in (None, *SUPPORTED_ATTENTION_BACKENDS):
+            sa.prefill_attention_backend = "flashinfer"
+        if sa.decode_attention_backend not in (None, *SUPPORTED_ATTENTION_BACKENDS):
+            sa.decode_attention_backend = "flashinfer"
+    if sa.speculative_draft_attention_backend is None:
+        # the drafter runs TARGET_VERIFY on its own runner; use the target's prefill backend
+        sa.speculative_draft_attention_backend = _backends(sa)[0]
+
+    if not sa.disable_overlap_schedule:
+        logger.warning("TEV: overlap scheduling is not supported yet; disabling it")
+        sa.disable_overlap_schedule = True
+    cg = getattr(sa, "cuda_graph_config", None)
+    if cg is not None and dataclasses.is_dataclass(cg) and getattr(cg.decode, "backend", "disabled") != "disabled":
+        # DFLASH-family graph capture omits the custom mask (notes §3.6): a replay would ignore the tree
+        logger.warning("TEV: decode CUDA graphs do not carry the tree mask yet; disabling them")
+        sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
+    if sa.max_running_requests is None:
+        sa.max_running_requests = 48
+    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk, verifier=verifier)
+
+
+def settings_from_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> TevSettings:
+    """Rebuild :class:`TevSettings` from already-resolved args (a worker process; no writes).
+
+    Raises:
+        ValueError if the args were not resolved by :func:`resolve_server_args` (block size unset).
+    """
+    verifier, topk = read_env(environ)
+    n, k, d = sa.speculative_num_draft_tokens, sa.speculative_dflash_block_size, sa.speculative_num_steps
+    if n is None or k is None or d is None:
+        raise ValueError("TEV: server args were not resolved (tree size, block size or depth unset)")
+    n, k, d = int(n), int(k), int(d)
+    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk if topk is not None else n - 1, verifier=verifier)

@@ -1,0 +1,335 @@
+"""The tensor logic of one TEV decode round in SGLang's batch layouts (pure torch, no sglang).
+
+The worker (``worker.py``) wires these functions between SGLang's forwards; each is checked on
+CPU tensors against an independent computation (``tests/test_srt_round.py``). Layouts follow
+SGLang 0.5.23 (``../shared/notes/sglang-0.5.23-internals.md`` §2-§3):
+
+* a batch of ``bs`` requests, ``N`` tree nodes each; request b's nodes are the global rows
+  ``b * N + i`` of every ``[bs * N, ...]`` tensor (``draft_token``, ``positions``, target logits,
+  hidden states, ``out_cache_loc``); node 0 is the root (the previous round's bonus token, whose
+  KV is not cached yet) at position ``seq_lens[b]``;
+* the custom attention mask is SGLang's FULL layout, the one its FlashInfer and Triton backends
+  read on TARGET_VERIFY: per request ``N`` rows of ``seq_lens[b] + N`` bools (True = attend),
+  row-major, requests concatenated; request b starts at ``N * sum_{j<b} seq_lens[j] + N * N * b``;
+* retrieve arrays are those of SGLang's ``reconstruct_indices_from_tree_mask`` (global row index,
+  first child, next sibling in index order; -1 = none), restricted to valid nodes.
+
+No function here performs a host sync unless its docstring says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..draft.ddtree import build_ddtree_topk
+from ..sampling import GREEDY_EPS, SamplingParams
+from ..tree import DraftTree
+from ..verify import VerifyOutput, num_uniforms, verify_tree
+
+__all__ = [
+    "TOP_K_ALL",
+    "TreeVerifyLayout",
+    "build_trees",
+    "tree_custom_mask",
+    "tree_retrieve_arrays",
+    "tree_verify_layout",
+    "sampling_params_from_info",
+    "verify_batch",
+    "seeded_uniforms",
+    "commit_outputs",
+    "CommitPlan",
+    "compact_rows",
+]
+
+TOP_K_ALL = 1 << 30
+"""SGLang's "no top-k" value (``sglang.srt.sampling.sampling_params.TOP_K_ALL``)."""
+
+
+# ---------------------------------------------------------------------- draft -> tree
+def build_trees(
+    topk_logprobs: torch.Tensor,
+    topk_ids: torch.Tensor,
+    budget: int,
+    root_tokens: torch.Tensor,
+    max_depth: int,
+) -> DraftTree:
+    """Batched DDTree from the drafter's per-depth top-k lists, capped at ``max_depth``.
+
+    Args:
+        topk_logprobs: float [bs, K - 1, k], log q_d of the listed tokens normalised over the full
+            vocabulary (``vals - lse`` of SGLang's ``candidate_topk(..., with_partition=True)``);
+            row j is depth j + 1 (block slot j + 1).
+        topk_ids: int64 [bs, K - 1, k].
+        budget: B >= 0 drafted nodes per tree.
+        root_tokens: int64 [bs], the bonus tokens of the previous round.
+        max_depth: D, rows beyond it are dropped (1 <= D <= K - 1).
+    Returns:
+        :class:`DraftTree` with N = B + 1 nodes (``build_ddtree_topk``; padded when fewer fit).
+    Raises:
+        ValueError naming ``max_depth`` when outside [1, K - 1].
+    """
+    if not 1 <= max_depth <= topk_logprobs.shape[1]:
+        raise ValueError(f"max_depth must be in [1, {topk_logprobs.shape[1]}], got {max_depth}")
+    return build_ddtree_topk(
+        topk_logprobs[:, :max_depth], topk_ids[:, :max_depth].to(torch.int64), budget, root_tokens, validate=False
+    )
+
+
+# ---------------------------------------------------------------------- tree -> verify input
+def tree_custom_mask(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: int) -> torch.Tensor:
+    """SGLang's FULL custom mask for a batch of trees.
+
+    Args:
+        tree: N nodes per request.
+        seq_lens: int [bs], cached tokens per request (the root sits at position seq_lens[b]).
+        seq_lens_sum: int, ``sum(seq_lens)`` known on the host (SGLang carries it on the batch).
+    Returns:
+        bool [N * seq_lens_sum + N * N * bs]: request b's rows are ``N`` rows of
+        ``seq_lens[b] + N`` entries: all True over the prefix, then ``tree.ancestor_mask[b]``
+        (each node sees its ancestors and itself; a padded node sees the root and itself).
+    """
+    b, n = tree.parents.shape
+    dev = tree.device
+    seq = seq_lens.to(device=dev, dtype=torch.int64)
+    row_len = seq + n  # [bs]
+    req_len = n * row_len
+    start = torch.cumsum(req_len, 0) - req_len  # [bs]
+    mask = torch.ones(n * int(seq_lens_sum) + n * n * b, dtype=torch.bool, device=dev)
+    i = torch.arange(n, device=dev).view(1, n, 1)
+    j = torch.arange(n, device=dev).view(1, 1, n)
+    idx = start.view(b, 1, 1) + i * row_len.view(b, 1, 1) + seq.view(b, 1, 1) + j  # [bs, N, N]
+    mask[idx.reshape(-1)] = tree.ancestor_mask.reshape(-1)
+    return mask
+
+
+def tree_retrieve_arrays(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Retrieve arrays with the semantics of SGLang's ``reconstruct_indices_from_tree_mask``.
+
+    A torch port of its rule applied to the parents: parent = the ancestor with the largest
+    index; ``retrieve_index[b, i] = b * N + i``; ``retrieve_next_token[b, i]`` = the smallest-index
+    child of i, else -1; ``retrieve_next_sibling[b, i]`` = the smallest index > i with the same
+    parent, else -1 (and -1 at the root). Padded (invalid) nodes are left out of every link and get
+    -1 links themselves, so SGLang's tree walkers (grammar, logprobs) never reach them.
+
+    Returns:
+        (retrieve_index, retrieve_next_token, retrieve_next_sibling), each int64 [bs, N].
+    """
+    b, n = tree.parents.shape
+    dev = tree.device
+    idx = torch.arange(n, device=dev).expand(b, n)
+    retrieve_index = idx + (torch.arange(b, device=dev) * n).view(b, 1)
+    is_child = tree.valid.clone()
+    is_child[:, 0] = False
+    par = tree.parents.clamp(min=0)
+    big = torch.full((b, n), n, dtype=torch.int64, device=dev)
+    cand = torch.where(is_child, idx, big)
+    first_child = big.clone().scatter_reduce_(1, par, cand, reduce="amin")
+    next_token = torch.where(first_child < n, first_child, torch.full_like(first_child, -1))
+    # next sibling: smallest k > i with parents[k] == parents[i] (both valid non-root)
+    same = (par.unsqueeze(2) == par.unsqueeze(1)) & is_child.unsqueeze(2) & is_child.unsqueeze(1)
+    later = idx.unsqueeze(2) < idx.unsqueeze(1)  # [b, i, k]: k > i
+    cand_sib = torch.where(same & later, idx.unsqueeze(1).expand(b, n, n), torch.full((b, n, n), n, device=dev))
+    sib = cand_sib.amin(2)
+    next_sibling = torch.where(sib < n, sib, torch.full_like(sib, -1))
+    return retrieve_index, next_token, next_sibling
+
+
+@dataclass(frozen=True)
+class TreeVerifyLayout:
+    """Verify input of one round in SGLang's layout.
+
+    Attributes:
+        draft_token: int64 [bs * N], node tokens (root first per request; padded nodes carry 0).
+        positions: int64 [bs * N], ``seq_lens[b] + depth``.
+        custom_mask: bool, FULL layout (:func:`tree_custom_mask`).
+        retrieve_index, retrieve_next_token, retrieve_next_sibling: int64 [bs, N].
+        max_tree_depth: D + 1 (width of accepted paths, root included).
+    """
+
+    draft_token: torch.Tensor
+    positions: torch.Tensor
+    custom_mask: torch.Tensor
+    retrieve_index: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+    max_tree_depth: int
+
+
+def tree_verify_layout(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: int) -> TreeVerifyLayout:
+    """Everything the target's TARGET_VERIFY forward needs from the trees (see the module doc)."""
+    b, n = tree.parents.shape
+    positions = tree.depth + seq_lens.to(device=tree.device, dtype=torch.int64).view(b, 1)
+    ri, nt, ns = tree_retrieve_arrays(tree)
+    return TreeVerifyLayout(
+        draft_token=tree.tokens.reshape(-1),
+        positions=positions.reshape(-1),
+        custom_mask=tree_custom_mask(tree, seq_lens, seq_lens_sum),
+        retrieve_index=ri,
+        retrieve_next_token=nt,
+        retrieve_next_sibling=ns,
+        max_tree_depth=tree.max_depth + 1,
+    )
+
+
+# ---------------------------------------------------------------------- target law
+def sampling_params_from_info(sampling_info) -> SamplingParams:
+    """This project's :class:`SamplingParams` from SGLang's ``SamplingBatchInfo``.
+
+    SGLang normalises a request with temperature 0 to ``top_k = 1, temperature = 1``; rows with
+    ``top_k <= 1`` are greedy here (temperature 0: one-hot at the argmax, ties to the lowest id).
+    ``top_k`` of ``TOP_K_ALL`` (or <= 0) is off. Temperatures, top-p and min-p are per request.
+    The law is then softmax(logits / T) -> top-k -> top-p -> min-p, as SGLang's own sampler
+    applies them for plain decoding (its tree verifier skips min-p; TEV does not).
+
+    Args:
+        sampling_info: an object with ``temperatures [bs, 1]``, ``top_ks [bs]``, ``top_ps [bs]``,
+            ``min_ps [bs]``, ``is_all_greedy`` and optionally SGLang's ``need_top_k_sampling`` /
+            ``need_top_p_sampling`` / ``need_min_p_sampling`` (a stage no row uses is skipped).
+    Returns:
+        SamplingParams with [bs] tensors, or scalar temperature 0 when every row is greedy.
+    """
+    if bool(getattr(sampling_info, "is_all_greedy", False)):
+        return SamplingParams(temperature=0.0)
+    top_ks = sampling_info.top_ks.view(-1).to(torch.int64)
+    temps = sampling_info.temperatures.view(-1).to(torch.float32)
+    greedy = top_ks <= 1
+    temperature = torch.where(greedy, torch.zeros_like(temps), temps)
+    top_k = torch.where((top_ks >= TOP_K_ALL) | greedy, torch.zeros_like(top_ks), top_ks)
+    # SGLang's need_* flags say whether any row uses a stage; an unused stage becomes a Python
+    # scalar, which processed_probs skips without touching the [bs, N, V] law (no sort)
+    return SamplingParams(
+        temperature=temperature,
+        top_k=top_k if getattr(sampling_info, "need_top_k_sampling", True) else 0,
+        top_p=sampling_info.top_ps.view(-1).to(torch.float32) if getattr(sampling_info, "need_top_p_sampling", True) else 1.0,
+        min_p=sampling_info.min_ps.view(-1).to(torch.float32) if getattr(sampling_info, "need_min_p_sampling", True) else 0.0,
+    )
+
+
+def seeded_uniforms(seeds: torch.Tensor, seq_lens: torch.Tensor, count: int) -> torch.Tensor:
+    """Per-request uniforms that depend only on (seed, seq_len, column): reproducible and
+    identical on every tensor-parallel rank.
+
+    A splitmix64-style integer hash in int64 arithmetic (wrapping), 53 bits mapped to [0, 1).
+
+    Args:
+        seeds: int64 [bs] per-request sampling seeds.
+        seq_lens: int [bs], committed length at this round.
+        count: uniforms per request.
+    Returns:
+        float64 [bs, count] in [0, 1).
+    """
+    b = seeds.shape[0]
+    dev = seeds.device
+    col = torch.arange(count, device=dev, dtype=torch.int64).view(1, count)
+    x = seeds.to(torch.int64).view(b, 1) * 0x9E3779B97F4A7C1 + seq_lens.to(torch.int64).view(b, 1) * 0x2545F4914F6CDD1D
+    x = x + (col + 1) * 0x632BE59BD9B4E019
+    for mul in (0x3C79AC492BA7B653, 0x1C69B3F74AC4AE35):
+        x = x ^ ((x >> 31) & ((1 << 33) - 1))
+        x = x * mul
+    x = x ^ ((x >> 29) & ((1 << 35) - 1))
+    bits = (x >> 11) & ((1 << 53) - 1)
+    return bits.to(torch.float64) * (1.0 / (1 << 53))
+
+
+def verify_batch(
+    tree: DraftTree,
+    next_token_logits: torch.Tensor,
+    sampling: SamplingParams,
+    method: str = "tev",
+    generator: Optional[torch.Generator] = None,
+    uniforms: Optional[torch.Tensor] = None,
+) -> VerifyOutput:
+    """Verify every request's tree on SGLang's verify logits.
+
+    Args:
+        tree: bs trees, N nodes.
+        next_token_logits: float [bs * N, V], the target's verify logits (penalties and logit bias
+            already applied), row b * N + i = node i of request b.
+        sampling: per-request law (:func:`sampling_params_from_info`).
+        method: ``tev``, ``predraw`` or ``sequential``; a scalar temperature below 1e-5 takes the
+            greedy path (argmax follow) whatever the method.
+        generator, uniforms: randomness as in :func:`sglang_tev.verify_tree`.
+    Returns:
+        :class:`sglang_tev.VerifyOutput` (path, accept_len, bonus, exit_node, coverage), equal to
+        ``verify_tree`` on the [bs, N, V] view (no validation, no host sync for ``tev``).
+    """
+    b, n = tree.parents.shape
+    logits = next_token_logits.view(b, n, -1)
+    if not isinstance(sampling.temperature, torch.Tensor) and sampling.temperature < GREEDY_EPS:
+        method = "greedy"
+    elif uniforms is None:
+        uniforms = torch.rand(b, num_uniforms(method, n), dtype=torch.float64, device=tree.device, generator=generator)
+    return verify_tree(tree, logits, method=method, sampling=sampling, uniforms=uniforms, validate=False)
+
+
+# ---------------------------------------------------------------------- commit
+@dataclass(frozen=True)
+class CommitPlan:
+    """What a round commits, in SGLang's result layout.
+
+    Attributes:
+        out_tokens: int64 [bs, N]: the accepted drafted tokens (depth 1..a), then the bonus,
+            then 0; SGLang reads ``out_tokens[b, :commit_lens[b]]``.
+        commit_lens: int32 [bs], a + 1 (accepted drafts plus the bonus); GenerationBatchResult's
+            ``accept_lens``.
+        accept_index: int64 [bs, D + 1], global rows ``b * N + path[b, d]`` of the accepted path
+            (root first), -1 past it; EAGLE's ``accept_index``.
+        src_rows: int64 [bs, D + 1], the row each front slot d takes its KV / hidden state from:
+            ``b * N + path[b, d]`` for d <= a, else ``b * N + d`` (a no-op move).
+        dst_rows: int64 [bs, D + 1], ``b * N + d``.
+        new_seq_lens: int [bs], ``seq_lens + commit_lens``.
+    """
+
+    out_tokens: torch.Tensor
+    commit_lens: torch.Tensor
+    accept_index: torch.Tensor
+    src_rows: torch.Tensor
+    dst_rows: torch.Tensor
+    new_seq_lens: torch.Tensor
+
+
+def commit_outputs(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -> CommitPlan:
+    """Turn verification results into SGLang's commit layout (see :class:`CommitPlan`).
+
+    The accepted path's node at depth d moves to front slot d of its request's window (EAGLE's
+    ``_compact_accept_to_front`` convention); since parents precede children, ``path[d] >= d``,
+    so moving in any order never overwrites a source still to be read.
+    """
+    b, n = tree.parents.shape
+    dev = tree.device
+    width = tree.max_depth + 1
+    path = out.path[:, :width]
+    a = out.accept_len
+    d = torch.arange(width, device=dev).view(1, width)
+    on_path = d <= a.view(b, 1)
+    base = (torch.arange(b, device=dev) * n).view(b, 1)
+    accept_index = torch.where(on_path, base + path.clamp(min=0), torch.full_like(path, -1))
+    dst_rows = (base + d).expand(b, width).contiguous()
+    src_rows = torch.where(on_path, accept_index, dst_rows)
+    # accepted drafted tokens = tokens of path[1..a]; the bonus goes at slot a
+    path_tok = torch.gather(tree.tokens, 1, path.clamp(min=0))  # [b, width]
+    out_tokens = torch.zeros(b, n, dtype=torch.int64, device=dev)
+    drafted = path_tok[:, 1:]  # depth 1..D
+    keep = (d[:, 1:] <= a.view(b, 1)) & (d[:, 1:] < width)
+    out_tokens[:, : width - 1] = torch.where(keep, drafted, torch.zeros_like(drafted))
+    out_tokens.scatter_(1, a.view(b, 1), out.bonus.view(b, 1))
+    commit_lens = (a + 1).to(torch.int32)
+    new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype).to(seq_lens.device)
+    return CommitPlan(out_tokens, commit_lens, accept_index, src_rows, dst_rows, new_seq_lens)
+
+
+def compact_rows(x: torch.Tensor, plan: CommitPlan) -> torch.Tensor:
+    """Move the accepted path's rows of a node-indexed tensor to the front of each request.
+
+    Args:
+        x: [bs * N, ...] (hidden states, logits, cache locations).
+    Returns:
+        a new tensor: row ``b * N + d`` = ``x[b * N + path[b, d]]`` for d <= accept_len; other rows
+        unchanged.
+    """
+    out = x.clone()
+    out[plan.dst_rows.reshape(-1)] = x[plan.src_rows.reshape(-1)]
+    return out

@@ -1,0 +1,270 @@
+"""``TEVWorker``: SGLang's DFlash V2 worker with the decode round replaced by TEV (imports sglang).
+
+Runs only with a CUDA GPU; checked by ``scripts/sglang_smoke.py``. Nothing in this module has
+been executed in this project's CI (no GPU): the tensor logic it calls lives in ``round.py`` and
+is tested on CPU there; this file only wires it between SGLang's forwards.
+
+Reused from ``DFlashWorkerV2`` unchanged: construction (draft runner, mask token, embeddings),
+memory pools, attention backends, the draft runner's CUDA graphs, the prefill branch (target
+prefill with auxiliary hidden capture + draft-KV materialisation), the idle branch,
+``DFlashDraftInputV2`` (KV over-allocation in ``prepare_for_decode``, filter/merge), the
+prefix-valid draft-KV writer and SGLang's verify logit adjustments (penalties, logit bias, custom
+logit processors). Replaced: the decode round, as
+
+    draft block [root, MASK x (K-1)] -> draft hidden -> per-depth top-k + logsumexp
+    -> batched DDTree (round.build_trees) -> verify layout (tokens, positions, FULL custom mask,
+    retrieve arrays) -> target TARGET_VERIFY forward (FlashInfer / Triton apply the mask)
+    -> SGLang logit adjustments -> processed target law from batch.sampling_info
+    -> verify_tree batched (tev / predraw / sequential; greedy at T = 0)
+    -> accepted path's KV slots and hidden rows moved to the front of each window
+    -> draft-KV append with the commit lengths -> GenerationBatchResult
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.lora.layers import unwrap_lora_layer
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    enable_num_token_non_padded,
+)
+from sglang.srt.models.dflash import candidate_topk
+from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
+from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import draft_tp_context
+
+from ..verify import num_uniforms
+from .config import settings_from_server_args
+from .round import (
+    build_trees,
+    commit_outputs,
+    compact_rows,
+    sampling_params_from_info,
+    seeded_uniforms,
+    tree_verify_layout,
+    verify_batch,
+)
+
+__all__ = ["TEVWorker", "META_INFO_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+META_INFO_KEYS = ("tev_accept_length", "tev_exit_depth", "tev_coverage")
+"""Per-round values appended to each request's ``meta_info`` (SGLang's ``customized_info``)."""
+
+
+class TEVWorker(DFlashWorkerV2):
+    """DFlash V2 worker whose decode round drafts a DDTree and verifies it with TEV."""
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        self.tev = settings_from_server_args(get_spec())
+        # DFlash sizes its block from speculative_num_draft_tokens, which TEV uses for N.
+        self.block_size = self.tev.block_size
+        self.draft_model.set_block_size(self.block_size)
+        self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
+        self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=self.block_size, device=self.device)
+        self.speculative_num_draft_tokens = self.tev.tree_size
+        # DFlash's fused draft-KV writer is sized at construction (with N); use the per-layer
+        # prefix-valid writer, which takes any window width
+        self._use_fused_kv_materialize = False
+        self._fused_kv_helper = None
+        # identical seeds on every TP rank, so ranks draw identical uniforms
+        self._tev_generator = torch.Generator(device=self.device)
+        self._tev_generator.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
+        if get_parallel().tp_rank == 0:
+            logger.info("TEV worker: %s", self.tev)
+
+    # ------------------------------------------------------------------ entry
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+        if batch.has_grammar:
+            raise RuntimeError("TEV does not support grammar-constrained decoding yet")
+        if batch.return_logprob:
+            raise RuntimeError("TEV does not return logprobs yet")
+        return self._tev_decode(batch, on_publish)
+
+    # ------------------------------------------------------------------ the round
+    def _draft_topk(self, batch, draft_input, seq_lens_cpu):
+        """Draft block forward -> (topk_logprobs [bs, K-1, k], topk_ids [bs, K-1, k])."""
+        bs = len(batch.seq_lens)
+        K = self.block_size
+        dev = self.device
+        prefix = batch.seq_lens
+        target_model = self.target_worker.model_runner.model
+        embed = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model, target_model))
+        lm_head = unwrap_lora_layer(target_model.lm_head)
+
+        block_ids = torch.full((bs, K), int(self._mask_token_id), dtype=torch.int64, device=dev)
+        block_ids[:, 0] = draft_input.bonus_tokens.view(-1)
+        positions = (prefix.view(bs, 1).to(torch.int64) + self._block_pos_offsets.view(1, K)).reshape(-1)
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=req_to_token,
+            start_offset=prefix,
+            end_offset=prefix + K,
+            batch_size=bs,
+            draft_token_num=K,
+            device=dev,
+        )
+        if self._full_embed_gpu is not None:
+            emb = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
+        else:
+            emb = embed(block_ids)
+        if self._noise_embed_scale != 1.0:
+            emb = emb * self._noise_embed_scale
+        seq_lens_cpu = seq_lens_cpu + K  # host bound: committed prefix + the block (as DFlash)
+        plan = self.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            seq_lens_cpu=seq_lens_cpu,
+            write_virtual=cache_loc,
+            read_extent=K,
+        )
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.flatten(),
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            out_cache_loc=cache_loc,
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            seq_lens_cpu=seq_lens_cpu,
+            positions=positions,
+            input_embeds=emb.view(-1, emb.shape[-1]),
+            spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            num_token_non_padded=(
+                torch.full((), bs * K, dtype=torch.int32, device=dev) if enable_num_token_non_padded() else None
+            ),
+            global_num_token_non_padded_cpu=bs * K,
+            can_run_decode_cuda_graph=False,
+        )
+        plan.bind(fb, self.draft_model_runner.kv_index_translator)
+        with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
+            out = self.draft_model_runner.forward(fb).logits_output
+            hidden = out.hidden_states.view(bs, K, -1)[:, 1:, :].reshape(-1, out.hidden_states.shape[-1])
+            ids, vals, lse = candidate_topk(hidden, lm_head, self.tev.topk, with_partition=True)
+        logq = (vals.float() - lse.float().unsqueeze(-1)).view(bs, K - 1, -1)
+        return logq, ids.view(bs, K - 1, -1).to(torch.int64)
+
+    def _tev_decode(self, batch, on_publish):
+        draft_input = batch.spec_info
+        if not isinstance(draft_input, DFlashDraftInputV2):
+            raise RuntimeError("TEV expected DFlashDraftInputV2 state on the running batch")
+        bs = len(batch.seq_lens)
+        N = self.tev.tree_size
+        dev = self.device
+        prefix = batch.seq_lens
+        seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix.cpu()
+
+        # 1) draft -> tree
+        logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu)
+        tree = build_trees(logq, ids, self.tev.budget, draft_input.bonus_tokens.view(-1).to(torch.int64), self.tev.max_depth)
+        layout = tree_verify_layout(tree, prefix, int(seq_lens_cpu.sum()))
+
+        # 2) target verify over the tree
+        out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix,
+            end_offset=prefix + N,
+            batch_size=bs,
+            draft_token_num=N,
+            device=dev,
+        )
+        kv_plan = self.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            seq_lens_cpu=seq_lens_cpu + N,
+            write_virtual=out_cache_loc,
+            read_extent=N,
+        )
+        verify_input = DFlashVerifyInput(
+            draft_token=layout.draft_token,
+            positions=layout.positions,
+            draft_token_num=N,
+            custom_mask=layout.custom_mask,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            kv_loc_plan=kv_plan,
+        )
+        batch.out_cache_loc = out_cache_loc
+        # backend planning reads a host bound of committed prefix + window, as in DFlash's verify;
+        # the mask's per-request offsets come from the device seq_lens (the committed prefix)
+        saved = (batch.seq_lens_cpu, batch.seq_lens_sum)
+        batch.seq_lens_cpu = seq_lens_cpu + N
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        try:
+            fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        fb.can_run_decode_cuda_graph = False
+        target_out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=fb, is_verify=True, skip_attn_backend_init=True
+        )
+        logits_output: LogitsProcessorOutput = target_out.logits_output
+        logits = logits_output.next_token_logits
+        target_lp = self._target_logits_processor
+        if target_lp is not None and target_lp.is_deferred_shard(logits):
+            logits = target_lp.finish_deferred_gather(logits)
+            logits_output.next_token_logits = logits
+        sampling_info = batch.sampling_info
+        apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N)
+
+        # 3) exact verification on the processed target law
+        sampling = sampling_params_from_info(sampling_info)
+        uniforms = None
+        seeds = getattr(sampling_info, "sampling_seed", None)
+        if seeds is not None and not sampling.all_greedy():
+            uniforms = seeded_uniforms(seeds, prefix, num_uniforms(self.tev.verifier, N))
+        out = verify_batch(tree, logits, sampling, self.tev.verifier, generator=self._tev_generator, uniforms=uniforms)
+        plan = commit_outputs(tree, out, prefix)
+
+        # 4) commit: accepted path to the front of each window (KV and hidden rows)
+        target_ids = kv_plan.write_ids(self.model_runner.kv_index_translator)  # physical slots of the window
+        src = target_ids[plan.src_rows.reshape(-1)]
+        dst = target_ids[plan.dst_rows.reshape(-1)]
+        self.model_runner.token_to_kv_pool_allocator.get_kvcache().move_kv_cache(dst, src)
+        hidden = compact_rows(logits_output.hidden_states, plan)
+        if on_publish is not None:
+            on_publish(plan.new_seq_lens)
+        cache_loc = self._draft_write_ids(kv_plan)
+        commit_positions = (prefix.view(bs, 1).to(torch.int64) + torch.arange(N, device=dev).view(1, N)).reshape(-1)
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=hidden,
+            cache_loc=cache_loc,
+            cache_loc_2d=cache_loc.view(bs, N),
+            positions=commit_positions,
+            commit_lens=plan.commit_lens,
+        )
+        logits_output.hidden_states = None
+        logits_output.customized_info = {
+            "tev_accept_length": plan.commit_lens.tolist(),
+            "tev_exit_depth": out.accept_len.tolist(),
+            "tev_coverage": out.coverage.float().tolist(),
+        }
+        next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=plan.out_tokens.reshape(-1),
+            accept_lens=plan.commit_lens,
+            can_run_cuda_graph=False,
+            next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=N,
+            new_seq_lens=plan.new_seq_lens,
+        )

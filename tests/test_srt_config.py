@@ -1,0 +1,102 @@
+"""TEV settings resolution without sglang (plain objects standing in for ServerArgs).
+
+The same functions run inside SGLang's pipeline in tests/test_srt_plugin.py; here they are
+checked on their own, so they are covered even where sglang is not installed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_tev.srt.config import (
+    DEFAULT_TREE_SIZE,
+    TevSettings,
+    read_env,
+    resolve_server_args,
+    settings_from_server_args,
+    validate_server_args,
+)
+
+
+def args(**kw):
+    base = dict(
+        device="cuda", pp_size=1, attn_dp_size=1, enable_dp_attention=False, disaggregation_mode="null",
+        speculative_draft_model_path="drafter", speculative_num_draft_tokens=None, speculative_dflash_block_size=None,
+        speculative_num_steps=None, speculative_eagle_topk=None, speculative_draft_window_size=None,
+        speculative_use_rejection_sampling=False, speculative_use_block_verification=False,
+        speculative_accept_threshold_single=1.0, speculative_accept_threshold_acc=1.0,
+        attention_backend="flashinfer", prefill_attention_backend=None, decode_attention_backend=None,
+        speculative_draft_attention_backend=None, disable_overlap_schedule=False, cuda_graph_config=None,
+        cuda_graph_backend_decode=None, max_running_requests=None,
+    )  # fmt: skip
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_defaults_from_the_drafter_and_plain_writes():
+    sa = args(attention_backend="fa3", _raw_input={"attention_backend": None})  # fa3 was SGLang's automatic choice
+    s = resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={})
+    assert s == TevSettings(tree_size=DEFAULT_TREE_SIZE, block_size=16, max_depth=15, topk=64, verifier="tev")
+    assert s.budget == 64
+    assert (sa.speculative_num_draft_tokens, sa.speculative_dflash_block_size, sa.speculative_num_steps) == (65, 16, 15)
+    assert sa.attention_backend == "flashinfer" and sa.speculative_draft_attention_backend == "flashinfer"
+    assert sa.disable_overlap_schedule is True and sa.max_running_requests == 48 and sa.speculative_eagle_topk == 1
+    # a worker process rebuilds the same settings from the resolved fields
+    assert settings_from_server_args(sa, environ={}) == s
+
+
+def test_env_settings():
+    assert read_env({}) == ("tev", None)
+    assert read_env({"SGLANG_TEV_VERIFIER": "Sequential", "SGLANG_TEV_TOPK": "8"}) == ("sequential", 8)
+    sa = args(speculative_num_draft_tokens=33, speculative_dflash_block_size=8, speculative_num_steps=3, attention_backend="triton")
+    s = resolve_server_args(sa, environ={"SGLANG_TEV_VERIFIER": "predraw", "SGLANG_TEV_TOPK": "4"})
+    assert (s.tree_size, s.block_size, s.max_depth, s.topk, s.verifier) == (33, 8, 3, 4, "predraw")
+    assert sa.attention_backend == "triton"
+
+
+@pytest.mark.parametrize(
+    "kw,env,match",
+    [
+        (dict(speculative_num_steps=16), {}, "max tree depth"),
+        (dict(speculative_num_draft_tokens=2048), {}, r"\[2, 1024\]"),
+        (dict(speculative_num_draft_tokens=3.5), {}, "must be an integer"),
+        (dict(speculative_dflash_block_size=40, speculative_num_draft_tokens=9), {}, "exceeds 2 x the tree size"),
+        (dict(_raw_input={"attention_backend": "fa3"}), {}, "--attention-backend 'fa3'"),
+        (dict(device="cpu"), {}, "--device must be cuda"),
+        (dict(pp_size=2), {}, "--pp-size"),
+        (dict(attn_dp_size=2), {}, "data parallelism"),
+        (dict(speculative_draft_model_path=None), {}, "draft-model-path is required"),
+        (dict(speculative_eagle_topk=2), {}, "eagle-topk"),
+        (dict(speculative_use_block_verification=True), {}, "block-verification"),
+        (dict(speculative_accept_threshold_single=0.9), {}, "threshold-single"),
+        (dict(cuda_graph_backend_decode="full"), {}, "decode CUDA graphs"),
+        (dict(), {"SGLANG_TEV_VERIFIER": "greedy"}, "SGLANG_TEV_VERIFIER"),
+        (dict(), {"SGLANG_TEV_TOPK": "-1"}, "SGLANG_TEV_TOPK"),
+    ],
+)
+def test_bad_settings_raise_one_clear_error(kw, env, match):
+    sa = args(**kw)
+    before = dict(vars(sa))
+    with pytest.raises(ValueError, match=match):
+        resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env)
+    if "speculative_num_steps" not in kw and "speculative_dflash_block_size" not in kw:
+        assert vars(sa) == before  # refused before any write
+
+
+def test_unknown_block_size_asks_for_the_flag():
+    with pytest.raises(ValueError, match="pass --speculative-dflash-block-size"):
+        resolve_server_args(args(), read_draft_block_size=lambda _: None, environ={})
+    with pytest.raises(ValueError, match="were not resolved"):
+        settings_from_server_args(args(), environ={})
+    validate_server_args(args(), environ={})  # the defaults themselves are fine
+
+
+def test_import_sglang_tev_does_not_import_sglang():
+    code = "import sys, sglang_tev, sglang_tev.srt, sglang_tev.srt.config, sglang_tev.srt.round; print('sglang' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
