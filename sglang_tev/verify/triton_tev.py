@@ -36,6 +36,8 @@ On CPU the kernels run only under ``TRITON_INTERPRET=1`` set before Triton is im
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..sampling import GREEDY_EPS, SamplingParams
@@ -75,7 +77,8 @@ if HAS_TRITON:
             offs = start + tl.arange(0, BLOCK_V)
             inb = offs < V
             x = tl.load(row_ptr + offs, mask=inb, other=float("-inf")).to(tl.float32)
-            key = _key(x)
+            bits = (x + 0.0).to(tl.int32, bitcast=True)  # _key(x), inlined
+            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
             sel = inb & (key >= tau)
             e = tl.where(sel & (x > float("-inf")), tl.exp((x - m) * inv_t), 0.0)
             cnt += tl.sum(sel.to(tl.int32), 0)
@@ -87,7 +90,8 @@ if HAS_TRITON:
     @triton.jit
     def _kept(x, offs, inb, m, inv_t, greedy, amax, tau, jtie, tie_carry, minp):
         """Processed (unnormalised) law of one block: (e, kept, tie_carry)."""
-        key = _key(x)
+        bits = (x + 0.0).to(tl.int32, bitcast=True)  # _key(x), inlined
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         e = tl.where(x > float("-inf"), tl.exp((x - m) * inv_t), 0.0)
         tie = inb & (key == tau)
         tie_i = tie.to(tl.int32)
@@ -381,10 +385,130 @@ if HAS_TRITON:
         tl.store(bonus_ptr + r, tl.where(found != 0, result, last_pos))
 
 
-def _rows(x, b: int, device, dtype) -> torch.Tensor:
+def _per_row(x, b: int, device, dtype) -> torch.Tensor:
     t = torch.as_tensor(x, device=device)
     t = t.expand(b) if t.dim() == 0 else t
-    return t.to(dtype)
+    return t.to(dtype).contiguous()
+
+
+class _Launch(NamedTuple):
+    """Device-side inputs shared by the three kernels (built in torch, no sync)."""
+
+    logits: torch.Tensor  # [b, N, V], last dim contiguous
+    valid8: torch.Tensor  # [b, N] int8
+    parents: torch.Tensor  # [b, N] int64, root / padded -> 0
+    tokens: torch.Tensor  # [b, N] int64
+    depth: torch.Tensor  # [b, N] int64
+    max_depth: int
+    child_order: torch.Tensor  # [b, N] int32
+    child_start: torch.Tensor  # [b, N] int32
+    child_count: torch.Tensor  # [b, N] int32
+    inv_t: torch.Tensor  # [b] fp32
+    greedy: torch.Tensor  # [b] int8
+    top_k: torch.Tensor  # [b] int32, 0 = off
+    top_p: torch.Tensor  # [b] fp32
+    min_p: torch.Tensor  # [b] fp32
+    block_v: int
+
+
+class _RowStats(NamedTuple):
+    """Per-node outputs of ``_tev_rows_kernel``, each [b, N]."""
+
+    m: torch.Tensor
+    z: torch.Tensor
+    znc: torch.Tensor
+    tau: torch.Tensor
+    jtie: torch.Tensor
+    amax: torch.Tensor
+    child_kept: torch.Tensor
+
+
+def _prepare(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams, block_v: int | None) -> _Launch:
+    b, n, v = target_logits.shape
+    assert target_logits.dtype in (torch.bfloat16, torch.float16, torch.float32), target_logits.dtype
+    if target_logits.stride(-1) != 1:
+        target_logits = target_logits.contiguous()
+    dev = target_logits.device
+    temp = _per_row(sampling.temperature, b, dev, torch.float64)
+    greedy = temp < GREEDY_EPS
+    inv_t = torch.where(greedy, torch.ones_like(temp), 1.0 / temp).to(torch.float32)
+    top_k = _per_row(sampling.top_k, b, dev, torch.int64)
+    top_k = torch.where((top_k > 0) & (top_k < v), top_k, torch.zeros_like(top_k)).to(torch.int32)
+    # children lists (CSR by parent): node ids sorted by parent, stable
+    idx = torch.arange(n, device=dev)
+    is_child = tree.valid & (idx > 0)
+    key = torch.where(is_child, tree.parents.clamp(min=0), torch.full_like(tree.parents, n))
+    counts = torch.zeros(b, n + 1, dtype=torch.int64, device=dev).scatter_add_(1, key, torch.ones_like(key))[:, :n]
+    if block_v is None:
+        block_v = min(4096, triton.next_power_of_2(v))
+    assert block_v > 0 and block_v & (block_v - 1) == 0, "block_v must be a power of two"
+    return _Launch(
+        logits=target_logits,
+        valid8=tree.valid.to(torch.int8),
+        parents=tree.parents.clamp(min=0).contiguous(),
+        tokens=tree.tokens.contiguous(),
+        depth=tree.depth.contiguous(),
+        max_depth=tree.max_depth,
+        child_order=torch.argsort(key, dim=1, stable=True).to(torch.int32),
+        child_start=(counts.cumsum(1) - counts).to(torch.int32),
+        child_count=counts.to(torch.int32),
+        inv_t=inv_t.contiguous(),
+        greedy=greedy.to(torch.int8),
+        top_k=top_k.contiguous(),
+        top_p=_per_row(sampling.top_p, b, dev, torch.float32),
+        min_p=_per_row(sampling.min_p, b, dev, torch.float32),
+        block_v=block_v,
+    )
+
+
+def _warps(block_v: int) -> int:
+    return 8 if block_v >= 2048 else 4
+
+
+def _launch_rows(a: _Launch) -> _RowStats:
+    b, n, v = a.logits.shape
+    dev = a.logits.device
+    st = _RowStats(
+        m=torch.zeros(b, n, dtype=torch.float32, device=dev),
+        z=torch.zeros(b, n, dtype=torch.float32, device=dev),
+        znc=torch.zeros(b, n, dtype=torch.float32, device=dev),
+        tau=torch.zeros(b, n, dtype=torch.int32, device=dev),
+        jtie=torch.zeros(b, n, dtype=torch.int32, device=dev),
+        amax=torch.zeros(b, n, dtype=torch.int32, device=dev),
+        child_kept=torch.zeros(b, n, dtype=torch.int8, device=dev),
+    )
+    _tev_rows_kernel[(n, b)](
+        a.logits, a.logits.stride(0), a.logits.stride(1), a.valid8, a.tokens,
+        a.child_order, a.child_start, a.child_count, a.inv_t, a.greedy, a.top_k, a.top_p, a.min_p,
+        st.m, st.z, st.znc, st.tau, st.jtie, st.amax, st.child_kept, n, v,
+        BLOCK_V=a.block_v, num_warps=_warps(a.block_v),
+    )  # fmt: skip
+    return st
+
+
+def _launch_decide(a: _Launch, st: _RowStats, uniforms: torch.Tensor):
+    b, n, v = a.logits.shape
+    dev = a.logits.device
+    uniforms = uniforms.contiguous()
+    P = torch.empty(b, n, dtype=torch.float32, device=dev)
+    rho = torch.empty_like(P)
+    w = torch.empty_like(P)
+    coverage = torch.empty(b, dtype=torch.float32, device=dev)
+    exit_node = torch.empty(b, dtype=torch.int64, device=dev)
+    sb, sn = a.logits.stride(0), a.logits.stride(1)
+    _tev_exit_kernel[(b,)](
+        a.logits, sb, sn, a.valid8, a.parents, a.tokens, a.depth, a.inv_t, a.greedy,
+        st.m, st.z, st.znc, st.child_kept, uniforms, P, rho, w, coverage, exit_node, n, a.max_depth,
+        BLOCK_N=triton.next_power_of_2(n), num_warps=4,
+    )  # fmt: skip
+    bonus = torch.empty(b, dtype=torch.int64, device=dev)
+    _tev_bonus_kernel[(b,)](
+        a.logits, sb, sn, a.tokens, a.child_order, a.child_start, a.child_count, a.inv_t, a.greedy,
+        st.m, st.z, st.znc, st.tau, st.jtie, st.amax, a.min_p, a.top_k, a.top_p, uniforms,
+        exit_node, bonus, n, v,
+        BLOCK_V=a.block_v, num_warps=_warps(a.block_v),
+    )  # fmt: skip
+    return exit_node, bonus, ExitLaw(P, rho, w, coverage)
 
 
 def triton_tev_verify(
@@ -394,86 +518,23 @@ def triton_tev_verify(
     uniforms: torch.Tensor,
     block_v: int | None = None,
 ):
-    """Fused TEV: same signature and return value as :func:`sglang_tev.verify.tev.tev_verify_logits`.
+    """Fused TEV: same arguments and return value as :func:`sglang_tev.verify.tev.tev_verify_logits`.
 
     Args:
-        tree: draft trees, N nodes (padded trees by ``valid``).
-        target_logits: bf16 / fp16 / fp32 [b, N, V] with a contiguous last dim; padded rows are
-            never read.
+        tree: draft trees, N nodes (ragged trees padded by ``valid``).
+        target_logits: bf16 / fp16 / fp32 [b, N, V]; padded rows are never read.
         sampling: scalars or [b] tensors (per-row temperature, top-k, top-p, min-p).
         uniforms: float64 [b, 2] in [0, 1): exit draw, bonus draw.
-        block_v: vocabulary tile (power of two); default min(4096, next_pow2(V)). Tests use tiny
-            tiles so several tiles per row are exercised.
+        block_v: vocabulary tile (a power of two); default min(4096, next_pow2(V)). Tests use
+            tiny tiles so that rows span several tiles.
     Returns:
         (exit_node int64 [b], bonus int64 [b], law ExitLaw with float32 P, rho, w, coverage).
-        No host sync (``tree.max_depth`` is a host int already).
+        No host sync (``tree.max_depth`` is already a host int); three launches of static grid.
     Raises:
-        AssertionError on a wrong dtype or layout (validation is :func:`verify_tree`'s job).
+        AssertionError on a wrong dtype or shape (argument validation is :func:`verify_tree`'s).
     """
     assert HAS_TRITON, "triton is not installed"
-    b, n, v = target_logits.shape
-    assert target_logits.dtype in (torch.bfloat16, torch.float16, torch.float32), target_logits.dtype
-    assert uniforms.dtype == torch.float64 and tuple(uniforms.shape) == (b, 2)
-    if target_logits.stride(-1) != 1:
-        target_logits = target_logits.contiguous()
-    dev = target_logits.device
-    uniforms = uniforms.contiguous()
-
-    # per-row sampling parameters (no sync: tensors stay on device)
-    temp = _rows(sampling.temperature, b, dev, torch.float64)
-    greedy = temp < GREEDY_EPS
-    inv_t = torch.where(greedy, torch.ones_like(temp), 1.0 / temp).to(torch.float32)
-    top_k = _rows(sampling.top_k, b, dev, torch.int64)
-    top_k = torch.where((top_k > 0) & (top_k < v), top_k, torch.zeros_like(top_k)).to(torch.int32)
-    top_p = _rows(sampling.top_p, b, dev, torch.float32).contiguous()
-    min_p = _rows(sampling.min_p, b, dev, torch.float32).contiguous()
-
-    # children lists (CSR by parent): node ids sorted by parent, stable
-    idx = torch.arange(n, device=dev)
-    is_child = tree.valid & (idx > 0)
-    key = torch.where(is_child, tree.parents.clamp(min=0), torch.full_like(tree.parents, n))
-    child_order = torch.argsort(key, dim=1, stable=True).to(torch.int32)
-    counts = torch.zeros(b, n + 1, dtype=torch.int64, device=dev).scatter_add_(1, key, torch.ones_like(key))[:, :n]
-    child_start = (counts.cumsum(1) - counts).to(torch.int32)
-    child_count = counts.to(torch.int32)
-    valid8 = tree.valid.to(torch.int8)
-    tokens = tree.tokens.contiguous()
-    parents = tree.parents.clamp(min=0).contiguous()
-
-    f32 = dict(dtype=torch.float32, device=dev)
-    i32 = dict(dtype=torch.int32, device=dev)
-    m = torch.zeros(b, n, **f32)
-    z = torch.zeros(b, n, **f32)
-    znc = torch.zeros(b, n, **f32)
-    tau = torch.zeros(b, n, **i32)
-    jtie = torch.zeros(b, n, **i32)
-    amax = torch.zeros(b, n, **i32)
-    child_kept = torch.zeros(b, n, dtype=torch.int8, device=dev)
-    block_v = block_v or min(4096, triton.next_power_of_2(v))
-    sb, sn = target_logits.stride(0), target_logits.stride(1)
-    greedy8 = greedy.to(torch.int8)
-    _tev_rows_kernel[(n, b)](
-        target_logits, sb, sn, valid8, tokens, child_order, child_start, child_count,
-        inv_t, greedy8, top_k, top_p, min_p,
-        m, z, znc, tau, jtie, amax, child_kept, n, v,
-        BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
-    )  # fmt: skip
-
-    P = torch.empty(b, n, **f32)
-    rho = torch.empty(b, n, **f32)
-    w = torch.empty(b, n, **f32)
-    coverage = torch.empty(b, **f32)
-    exit_node = torch.empty(b, dtype=torch.int64, device=dev)
-    _tev_exit_kernel[(b,)](
-        target_logits, sb, sn, valid8, parents, tokens, tree.depth.contiguous(), inv_t, greedy8,
-        m, z, znc, child_kept, uniforms, P, rho, w, coverage, exit_node, n, tree.max_depth,
-        BLOCK_N=triton.next_power_of_2(n), num_warps=4,
-    )  # fmt: skip
-
-    bonus = torch.empty(b, dtype=torch.int64, device=dev)
-    _tev_bonus_kernel[(b,)](
-        target_logits, sb, sn, tokens, child_order, child_start, child_count, inv_t, greedy8,
-        m, z, znc, tau, jtie, amax, min_p, top_k, top_p, uniforms, exit_node, bonus, n, v,
-        BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
-    )  # fmt: skip
-    return exit_node, bonus, ExitLaw(P, rho, w, coverage)
+    b = target_logits.shape[0]
+    assert uniforms.dtype == torch.float64 and tuple(uniforms.shape) == (b, 2), "uniforms must be float64 [b, 2]"
+    launch = _prepare(tree, target_logits, sampling, block_v)
+    return _launch_decide(launch, _launch_rows(launch), uniforms)
