@@ -18,6 +18,7 @@ import torch
 from exact_law import random_tree, stack_trees
 
 from sglang_tev import SamplingParams, processed_probs, verify_tree
+from sglang_tev.verify import tev as tev_module
 from sglang_tev.verify.tev import tev_verify, tev_verify_logits
 
 HERE = os.path.dirname(__file__)
@@ -54,9 +55,11 @@ def _case(seed: int, vocab: int, sizes: list[int]):
     ids=["T1", "T0.6", "top_k2_top_p0.8", "min_p0.3"],
 )
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_one_pass_reference_equals_probs_spec(sampling, dtype):
-    """tev_verify_logits (children zeroed in place, one sum) == tev_verify on processed_probs,
-    on the same uniforms: exit node and bonus equal, law within rounding."""
+@pytest.mark.parametrize("chunk", [1 << 20, 20, 1], ids=["one_chunk", "chunks_of_2_rows", "row_by_row"])
+def test_one_pass_reference_equals_probs_spec(sampling, dtype, chunk, monkeypatch):
+    """tev_verify_logits (children zeroed per chunk of rows, one sum) == tev_verify on
+    processed_probs, on the same uniforms: exit node and bonus equal, law within rounding."""
+    monkeypatch.setattr(tev_module, "CHUNK_ELEMENTS", chunk * 4)  # b = 4 trees, V = 7
     trees, tree, logits = _case(5, 7, sizes=[9, 4, 12, 1])
     logits = logits.to(dtype)
     logits[1, 4:] = float("nan")  # padded rows of tree 1 (4 nodes) are ignored

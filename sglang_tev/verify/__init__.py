@@ -14,6 +14,12 @@ method         decision                                               uniforms U
 =============  =====================================================  ======================
 
 Verifiers share the law, not the samples: equal uniforms do not give equal outputs across methods.
+
+``tev`` has two backends that consume the same uniforms the same way and return equal outputs:
+the torch reference (:func:`sglang_tev.verify.tev.tev_verify_logits`, one pass over the
+processed law) and the fused Triton kernel (:mod:`sglang_tev.verify.triton_tev`, one read of the
+logits plus the exit row). ``verify_tree(backend=None)`` picks the kernel for CUDA bf16 / fp16 /
+fp32 logits when Triton imports, the reference otherwise.
 """
 
 from __future__ import annotations

@@ -386,7 +386,10 @@ if HAS_TRITON:
 
 
 def _per_row(x, b: int, device, dtype) -> torch.Tensor:
-    t = torch.as_tensor(x, device=device)
+    # a Python scalar becomes a device fill (capturable in a CUDA graph; no host-to-device copy)
+    if not isinstance(x, torch.Tensor):
+        return torch.full((b,), x, dtype=dtype, device=device)
+    t = x.to(device)
     t = t.expand(b) if t.dim() == 0 else t
     return t.to(dtype).contiguous()
 
