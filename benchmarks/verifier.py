@@ -7,7 +7,7 @@ bonus. The target forward and the KV commit are excluded.
 
 Methods: ``tev`` (torch reference, ``backend="torch"``), ``tev-triton`` (the fused kernel,
 ``backend="triton"``; CUDA only), ``predraw``, ``sequential``, ``greedy`` (T = 0).
-CPU: wall-clock median of ``--repeats`` calls. CUDA: each call is captured once in a CUDA graph
+CPU: wall-clock median of ``--repeats`` calls, methods called round-robin. CUDA: each call is captured once in a CUDA graph
 and timed with CUDA events over ``--replays`` graph replays (median over ``--repeats`` such
 windows, per call); a method that cannot be captured is timed eagerly with events (``graph``
 false in the JSON).
@@ -43,22 +43,28 @@ def _triton_version() -> str | None:
         return None
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_call(fn, device: str, repeats: int, warmup: int) -> float:
+def time_interleaved(calls: dict, repeats: int, warmup: int) -> dict:
+    """CPU: median wall-clock microseconds per call of each function, calling them round-robin."""
     for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
+        for fn in calls.values():
+            fn()
+    times = {m: [] for m in calls}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+        for m, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(t) * 1e6 for m, t in times.items()}
+
+
+def _make_call(tree, logits, m: str, temperature: float, g: torch.Generator):
+    """One verify_tree call of method label ``m`` (``tev-triton`` = tev with backend triton) with
+    pre-drawn uniforms; greedy runs at T = 0."""
+    sp = SamplingParams(temperature=0.0 if m == "greedy" else temperature)
+    method, backend = ("tev", "triton") if m == "tev-triton" else (m, "torch")
+    b, n = tree.batch_size, tree.num_nodes
+    uni = torch.rand(b, num_uniforms(method, n), dtype=torch.float64, generator=g).to(logits.device)
+    return lambda: verify_tree(tree, logits, method, sampling=sp, uniforms=uni, validate=False, backend=backend)
 
 
 def time_cuda_graph(fn, repeats: int, replays: int) -> tuple[float, bool]:
@@ -130,23 +136,18 @@ def main() -> None:
                     tree = build_ddtree(draft.to(device), B, torch.zeros(nb, dtype=torch.int64, device=device))
                     logits = (torch.randn(nb, 1 + B, V, generator=g) * 4).to(device=device, dtype=dtype)
                     for T in temps:
+                        calls = {}
                         for m in methods:
-                            t_eff = 0.0 if m == "greedy" else T
                             if m == "greedy" and T != temps[0]:
                                 continue  # greedy ignores T: time it once
-                            sp = SamplingParams(temperature=t_eff)
-                            method, backend = ("tev", "triton") if m == "tev-triton" else (m, "torch")
-                            uni = torch.rand(nb, num_uniforms(method, 1 + B), dtype=torch.float64, generator=g).to(device)
-
-                            def call():
-                                return verify_tree(
-                                    tree, logits, method, sampling=sp, uniforms=uni, validate=False, backend=backend
-                                )
-
-                            if cuda:
-                                us, captured = time_cuda_graph(call, repeats, args.replays)
-                            else:
-                                us, captured = time_call(call, device, repeats, warmup=3), False
+                            calls[m] = _make_call(tree, logits, m, T, g)
+                        if cuda:
+                            timed = {m: time_cuda_graph(c, repeats, args.replays) for m, c in calls.items()}
+                        else:
+                            # round-robin over the methods, so load bursts on a shared machine hit all alike
+                            timed = {m: (us, False) for m, us in time_interleaved(calls, repeats, warmup=3).items()}
+                        for m, (us, captured) in timed.items():
+                            t_eff = 0.0 if m == "greedy" else T
                             rows.append(
                                 dict(device=device, vocab=V, budget=B, batch=nb, temperature=t_eff, method=m,
                                      median_us=round(us, 1), cuda_graph=captured)
@@ -162,7 +163,7 @@ def main() -> None:
             cpu_threads=torch.get_num_threads(),
             gpu=torch.cuda.get_device_name() if device.startswith("cuda") else None,
             triton=_triton_version(),
-            timing="CUDA events over CUDA-graph replays" if cuda else "wall clock per call",
+            timing="CUDA events over CUDA-graph replays" if cuda else "wall clock per call, methods round-robin",
             dtype=str(dtype),
             repeats=repeats,
         )
