@@ -77,7 +77,7 @@ if HAS_TRITON:
             offs = start + tl.arange(0, BLOCK_V)
             inb = offs < V
             x = tl.load(row_ptr + offs, mask=inb, other=float("-inf")).to(tl.float32)
-            bits = (x + 0.0).to(tl.int32, bitcast=True)  # _key(x), inlined
+            bits = (x + 0.0).to(tl.int32, bitcast=True)  # _key(x) inlined: hot in the interpreter
             key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
             sel = inb & (key >= tau)
             e = tl.where(sel & (x > float("-inf")), tl.exp((x - m) * inv_t), 0.0)
@@ -90,7 +90,7 @@ if HAS_TRITON:
     @triton.jit
     def _kept(x, offs, inb, m, inv_t, greedy, amax, tau, jtie, tie_carry, minp):
         """Processed (unnormalised) law of one block: (e, kept, tie_carry)."""
-        bits = (x + 0.0).to(tl.int32, bitcast=True)  # _key(x), inlined
+        bits = (x + 0.0).to(tl.int32, bitcast=True)  # _key(x) inlined: hot in the interpreter
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         e = tl.where(x > float("-inf"), tl.exp((x - m) * inv_t), 0.0)
         tie = inb & (key == tau)
@@ -449,7 +449,7 @@ def _prepare(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingPar
         logits=target_logits,
         valid8=tree.valid.to(torch.int8),
         parents=tree.parents.clamp(min=0).contiguous(),
-        tokens=tree.tokens.contiguous(),
+        tokens=tree.tokens.clamp(min=0, max=v - 1).contiguous(),  # as the reference's gathers: never read past V
         depth=tree.depth.contiguous(),
         max_depth=tree.max_depth,
         child_order=torch.argsort(key, dim=1, stable=True).to(torch.int32),
