@@ -14,6 +14,12 @@ method         decision                                               uniforms U
 =============  =====================================================  ======================
 
 Verifiers share the law, not the samples: equal uniforms do not give equal outputs across methods.
+
+``tev`` has two backends that consume the same uniforms the same way and return equal outputs:
+the torch reference (:func:`sglang_tev.verify.tev.tev_verify_logits`, one pass over the
+processed law) and the fused Triton kernel (:mod:`sglang_tev.verify.triton_tev`, one read of the
+logits plus the exit row). ``verify_tree(backend=None)`` picks the kernel for CUDA bf16 / fp16 /
+fp32 logits when Triton imports, the reference otherwise.
 """
 
 from __future__ import annotations
@@ -29,11 +35,20 @@ from . import sequential as _sequential
 from .greedy import greedy_verify
 from .predraw import predraw_verify
 from .sequential import sequential_verify
-from .tev import tev_verify
+from .tev import tev_verify, tev_verify_logits
 
-__all__ = ["VerifyOutput", "verify_tree", "num_uniforms", "METHODS"]
+__all__ = ["VerifyOutput", "verify_tree", "num_uniforms", "METHODS", "BACKENDS", "triton_available"]
 
 METHODS = ("tev", "predraw", "sequential", "greedy")
+BACKENDS = ("auto", "torch", "triton")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_available() -> bool:
+    """Whether the fused TEV kernel can run here: Triton imports and (on CPU) ``TRITON_INTERPRET=1``."""
+    from . import triton_tev
+
+    return triton_tev.HAS_TRITON
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,7 @@ def verify_tree(
     uniforms: torch.Tensor | None = None,
     validate: bool = True,
     logits_processor: LogitsProcessor | None = None,
+    backend: str | None = None,
 ) -> VerifyOutput:
     """Verify draft trees against the target and return the accepted paths and bonus tokens.
 
@@ -94,6 +110,12 @@ def verify_tree(
             once; then ``tev`` performs no host sync.
         logits_processor: optional ``fn(logits [b, N, V], tree) -> logits`` applied before the
             sampling law (penalties, logit bias, grammar).
+        backend: where ``tev`` runs. ``None`` / ``"auto"``: the fused Triton kernel
+            (:mod:`sglang_tev.verify.triton_tev`) for CUDA bf16 / fp16 / fp32 logits when Triton
+            imports, else the torch reference (:func:`sglang_tev.verify.tev.tev_verify_logits`).
+            ``"torch"``: always the reference. ``"triton"``: always the kernel (on CPU only under
+            ``TRITON_INTERPRET=1``, for tests). Other methods run in torch; they accept
+            ``None`` / ``"auto"`` / ``"torch"``. Both backends consume the same uniforms the same way.
 
     Returns:
         :class:`VerifyOutput`.
@@ -101,10 +123,13 @@ def verify_tree(
     Raises:
         ValueError naming the argument: unknown method; ``greedy`` with any temperature >= 1e-5
         (not exact there); wrong shape/dtype/device of ``target_logits`` or ``uniforms``; NaN or
-        +inf logits, or a valid row of only -inf; uniforms outside [0, 1); invalid sampling values.
+        +inf logits, or a valid row of only -inf; uniforms outside [0, 1); invalid sampling values;
+        an unknown ``backend``, ``"triton"`` for a method other than ``tev``, for float64 logits
+        or where Triton cannot run (these backend checks are host-side and always run).
     """
     sampling = SamplingParams() if sampling is None else sampling
     b, n = tree.batch_size, tree.num_nodes
+    use_kernel = _use_kernel(backend, method, target_logits)
     if validate:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -148,15 +173,20 @@ def verify_tree(
         coverage = accept_len.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, coverage)
 
-    probs = processed_probs(logits, sampling)
     if uniforms is None:
         u_count = num_uniforms(method, n)
         uniforms = torch.rand(b, u_count, dtype=torch.float64, device=tree.device, generator=generator)
 
     if method == "tev":
-        exit_node, bonus, law = tev_verify(tree, probs, uniforms)
+        if use_kernel:
+            from .triton_tev import triton_tev_verify
+
+            exit_node, bonus, law = triton_tev_verify(tree, logits, sampling, uniforms)
+        else:
+            exit_node, bonus, law = tev_verify_logits(tree, logits, sampling, uniforms)
         coverage = law.coverage
     else:
+        probs = processed_probs(logits, sampling)
         if method == "predraw":
             exit_node, bonus = predraw_verify(tree, probs, uniforms)
         elif method == "sequential":
@@ -166,6 +196,35 @@ def verify_tree(
         coverage = _coverage(tree, probs)
     accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)
     return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, coverage)
+
+
+def _use_kernel(backend: str | None, method: str, logits) -> bool:
+    """Resolve ``backend`` on the host (no sync); raise ValueError naming it when it cannot apply."""
+    backend = "auto" if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "torch":
+        return False
+    is_tensor = isinstance(logits, torch.Tensor)
+    if backend == "auto":
+        return (
+            method == "tev" and is_tensor and logits.is_cuda and logits.dtype in KERNEL_DTYPES and triton_available()
+        )
+    if method != "tev":
+        raise ValueError(f"backend 'triton' exists only for method 'tev', got method {method!r}")
+    if is_tensor and logits.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"backend 'triton' takes bf16 / fp16 / fp32 target_logits, got {logits.dtype}")
+    if not triton_available():
+        raise ValueError("backend 'triton' needs Triton (and TRITON_INTERPRET=1 set before import on CPU)")
+    if is_tensor and not logits.is_cuda and not _interpreting():
+        raise ValueError("backend 'triton' on CPU needs TRITON_INTERPRET=1 set before Triton is imported")
+    return True
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _scalar_greedy(temperature) -> bool:
