@@ -161,8 +161,8 @@ def _paths(tree: DraftTree, r: int) -> list[torch.Tensor]:
 def first_bad_node(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """int64 [b]: the first valid node whose logits row has NaN or +inf or only -inf, else -1.
     No host sync (the runtime reads it with the round's one sync)."""
-    bad = (torch.isnan(logits) | (logits == float("inf"))).any(-1) | (logits == float("-inf")).all(-1)
-    bad &= valid
+    # one pass: amax is NaN when the row holds a NaN, +inf with a +inf, -inf when all are -inf
+    bad = ~torch.isfinite(logits.amax(-1)) & valid
     n = bad.shape[1]
     idx = torch.where(bad, torch.arange(n, device=bad.device), torch.full_like(bad, n, dtype=torch.int64))
     first = idx.min(1).values

@@ -848,6 +848,8 @@ class SpeculativeGenerator:
     ) -> list[GenerationResult]:
         """Decode several :class:`Request` s, each with its own settings, ``batch_size`` rows at a
         time; results in input order. Arguments and errors as :meth:`generate`."""
+        if not requests:
+            raise ValueError("requests: at least one Request is needed")
         K, vmethod = self._check_call(method, budget, block_size, verifier, requests, batch_size)
         rows = self._prepare(requests, chat_template, vmethod)
         cap = min(len(rows), batch_size or len(rows))
