@@ -3,9 +3,10 @@
 One round, for every active row at once (DESIGN §1, §3, §5)::
 
     draft         drafter(context, roots) -> per-depth draft logits [b, H, V]
-    build         DDTree (or a chain, or the root alone) -> DraftTree [b, N = 1 + B]
-    tree_forward  one target forward over the b x N nodes: per-row tree mask (attention windows per
-                  layer type), positions past_len + depth, K/V written into the static cache
+    build         DDTree (or a chain, or the root alone) -> DraftTree [b, N = 1 + B], and the
+                  forward's inputs: per-row tree masks (attention windows per layer type),
+                  positions past_len + depth, cache slots
+    tree_forward  one target forward over the b x N nodes, K/V written into the static cache
     verify        generation controls at every node -> finiteness check -> verify_tree -> the
                   round's ONE host sync (paths, bonus tokens, accept lengths, coverage, bad nodes)
     commit        per layer one gather moves each row's accepted path to the front of its tree
@@ -253,6 +254,7 @@ class _Run:
             gen.drafter.start(cap, self.max_len, self.dev)
         self._sampling_key = None
         self._sampling = None
+        self.pending_ctx = None
 
     # ------------------------------------------------------------------ batch management
     def loop(self) -> None:
@@ -317,6 +319,7 @@ class _Run:
     def _retire(self, slot: int) -> None:
         """Row in ``slot`` is done: refill the slot from the waiting list, or move the last active
         row into it and shrink the batch."""
+        self._flush_context()
         row = self.active[slot]
         row.result.decode_s = time.perf_counter() - row.t_start
         last = len(self.active) - 1
@@ -372,8 +375,9 @@ class _Run:
         draft_logits = self.draft(sl, roots, lens, depth_cap)
         lap("draft")
         tree = self.build(draft_logits, roots, depth_cap)
+        inputs = self.forward_inputs(sl, tree, lens)
         lap("build")
-        logits, feats = self.tree_forward(sl, tree, lens)
+        logits, feats = self.tree_forward(tree, inputs)
         lap("tree_forward")
         decision = self.verify(tree, logits)
         lap("verify")
@@ -386,8 +390,16 @@ class _Run:
             return 0
         return max(0, min(self.K - 1, r.remaining - 1, self.g.max_positions - 1 - r.past_len))
 
+    def _flush_context(self) -> None:
+        """Hand the last commit's path features to the drafter (done in the draft stage, where the
+        reference's draft forward does it too, or before rows move)."""
+        if self.pending_ctx is not None:
+            self.g.drafter.add_context(*self.pending_ctx)
+            self.pending_ctx = None
+
     def draft(self, sl: slice, roots, lens, depth_cap: list[int]) -> torch.Tensor | None:
         """Per-depth draft logits [b, H, V] (H = the deepest cap of the batch), or None."""
+        self._flush_context()
         H = max(depth_cap)
         if H <= 0:
             return None
@@ -429,19 +441,22 @@ class _Run:
         rows = [sorted(r.stops) + [-1] * (s - len(r.stops)) for r in self.active]
         return torch.tensor(rows, dtype=torch.int64, device=self.dev)
 
-    def tree_forward(self, sl: slice, tree: DraftTree, lens):
-        """One target forward over every row's tree: logits float32 [b, N, V], features or None."""
+    def forward_inputs(self, sl: slice, tree: DraftTree, lens) -> dict:
+        """The tree forward's positions (past_len + depth) and masks, and where its K/V go (slots
+        past_len + node index of each row); part of the build stage, as the reference's compile."""
         g = self.g
         b, n = tree.parents.shape
         kv_len = max(r.past_len for r in self.active) + n
-        positions = lens.view(b, 1) + tree.depth
-        if b == 1:
-            self.cache.begin(sl, self.active[0].past_len, kv_len)
-        else:
-            self.cache.begin(sl, lens.view(b, 1) + torch.arange(n, device=self.dev), kv_len)
+        slots = self.active[0].past_len if b == 1 else lens.view(b, 1) + torch.arange(n, device=self.dev)
         masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
-        out = g.target(tree.tokens, position_ids=positions, attention_mask=masks, **{g._cache_kw: self.cache},
-                       use_cache=True, output_hidden_states=self.need_feats)
+        return {"rows": sl, "positions": lens.view(b, 1) + tree.depth, "masks": masks, "slots": slots, "kv_len": kv_len}
+
+    def tree_forward(self, tree: DraftTree, inputs: dict):
+        """One target forward over every row's tree: logits float32 [b, N, V], features or None."""
+        g = self.g
+        self.cache.begin(inputs["rows"], inputs["slots"], inputs["kv_len"])
+        out = g.target(tree.tokens, position_ids=inputs["positions"], attention_mask=inputs["masks"],
+                       **{g._cache_kw: self.cache}, use_cache=True, output_hidden_states=self.need_feats)
         feats = g._features(out.hidden_states) if self.need_feats else None
         return out.logits.float(), feats
 
@@ -519,9 +534,9 @@ class _Run:
             self.cache.compact(sl, lens.view(b, 1) + src_nodes, dst)
             if feats is not None:
                 idx = src_nodes.unsqueeze(-1).expand(b, w, feats.shape[-1])
-                self.g.drafter.add_context(sl, feats.gather(1, idx), dst)
+                self.pending_ctx = (sl, feats.gather(1, idx), dst)
         elif feats is not None:
-            self.g.drafter.add_context(sl, feats[:, :1], lens.view(b, 1))
+            self.pending_ctx = (sl, feats[:, :1], lens.view(b, 1))
         # host bookkeeping
         finished = []
         writes_r, writes_c, writes_t = [], [], []

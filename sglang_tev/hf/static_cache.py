@@ -84,11 +84,24 @@ class StaticKVCache:
     def __init__(self, rows: int, max_len: int, num_layers: int, device, dtype) -> None:
         self.rows, self.max_len, self.num_layers = rows, max_len, num_layers
         self.device, self.dtype = torch.device(device), dtype
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        # one joint buffer [layers, 2 (k, v), rows, kv_heads, max_len, head_dim] for every layer of
+        # layer 0's shape (one gather + one scatter commit them all); other shapes get their own
+        self.kv: torch.Tensor | None = None
+        self.extra: dict[int, torch.Tensor] = {}
         self._rows = slice(0, rows)
         self._slots: torch.Tensor | int = 0  # int: contiguous start for every row; tensor [b, T]
         self._kv_len = 0
+
+    def _layer_buf(self, layer_idx: int, key_states: torch.Tensor) -> torch.Tensor:
+        """[2, rows, kv_heads, max_len, head_dim] of one layer, allocated at its first write."""
+        shape = (self.rows, key_states.shape[1], self.max_len, key_states.shape[3])
+        if self.kv is None:
+            self.kv = torch.zeros((self.num_layers, 2, *shape), dtype=key_states.dtype, device=key_states.device)
+        if tuple(self.kv.shape[2:]) == shape and layer_idx not in self.extra:
+            return self.kv[layer_idx]
+        if layer_idx not in self.extra:
+            self.extra[layer_idx] = torch.zeros((2, *shape), dtype=key_states.dtype, device=key_states.device)
+        return self.extra[layer_idx]
 
     # --------------------------------------------------------------- what the model calls
     def begin(self, rows: slice, slots: torch.Tensor | int, kv_len: int) -> None:
@@ -98,13 +111,8 @@ class StaticKVCache:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Write the new K/V ``[b, kv_heads, T, head_dim]`` and return the views the attention reads."""
-        kb, vb = self.keys[layer_idx], self.values[layer_idx]
-        if kb is None:
-            shape = (self.rows, key_states.shape[1], self.max_len, key_states.shape[3])
-            kb = self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-            vshape = (self.rows, value_states.shape[1], self.max_len, value_states.shape[3])
-            vb = self.values[layer_idx] = torch.zeros(vshape, dtype=value_states.dtype, device=value_states.device)
-        k, v = kb[self._rows], vb[self._rows]
+        buf = self._layer_buf(layer_idx, key_states)
+        k, v = buf[0, self._rows], buf[1, self._rows]
         if isinstance(self._slots, int):
             t = key_states.shape[2]
             k[:, :, self._slots: self._slots + t] = key_states
@@ -121,29 +129,37 @@ class StaticKVCache:
     def __len__(self) -> int:
         return self.num_layers
 
+    def _buffers(self):
+        """(tensor, number of leading dims before rows) of every buffer."""
+        out = [] if self.kv is None else [(self.kv, 2)]
+        return out + [(b, 1) for b in self.extra.values()]
+
     # --------------------------------------------------------------- the runtime's side
     def compact(self, rows: slice, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Move slots ``src`` [b, W] to ``dst`` [b, W] in every layer of ``rows`` (one gather and one
-        scatter per layer; the gather copies first, so overlapping ranges are safe)."""
-        for bufs in (self.keys, self.values):
-            for buf in bufs:
-                if buf is None:
-                    continue
-                x = buf[rows]
-                idx = src[:, None, :, None].expand(x.shape[0], x.shape[1], src.shape[1], x.shape[3])
-                moved = x.gather(2, idx)
-                x.scatter_(2, dst[:, None, :, None].expand_as(moved), moved)
+        """Move slots ``src`` [b, W] to ``dst`` [b, W] of ``rows`` in every layer, keys and values
+        at once: one gather and one scatter over the joint buffer (the gather copies first, so
+        overlapping ranges are safe)."""
+        for buf, lead in self._buffers():
+            x = buf[(slice(None),) * lead + (rows,)]
+            b, w = src.shape
+            shape = (*x.shape[:lead], b, x.shape[lead + 1], w, x.shape[-1])
+            view = (1,) * lead + (b, 1, w, 1)
+            moved = x.gather(lead + 2, src.view(view).expand(shape))
+            x.scatter_(lead + 2, dst.view(view).expand(shape), moved)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row ``src``'s first ``length`` slots into row ``dst`` (a finished row's slot is reused)."""
-        for bufs in (self.keys, self.values):
-            for buf in bufs:
-                if buf is not None:
-                    buf[dst, :, :length] = buf[src, :, :length]
+        for buf, lead in self._buffers():
+            pre = (slice(None),) * lead
+            buf[pre + (dst, slice(None), slice(0, length))] = buf[pre + (src, slice(None), slice(0, length))]
 
     def row_kv(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(k, v)`` of one row, each ``[1, kv_heads, length, head_dim]`` (views)."""
-        return [(k[row: row + 1, :, :length], v[row: row + 1, :, :length]) for k, v in zip(self.keys, self.values)]
+        out = []
+        for i in range(self.num_layers):
+            buf = self.extra[i] if i in self.extra else self.kv[i]
+            out.append((buf[0, row: row + 1, :, :length], buf[1, row: row + 1, :, :length]))
+        return out
 
 
 def tree_masks(layout: AttentionLayout, lengths: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor,
