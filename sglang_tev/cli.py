@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt (stdout: the new text only)",
                        description="Generate with tree speculative decoding. stdout carries exactly the new "
                        "text; a summary line goes to stderr.")
-    g.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt text")
+    g.add_argument("more_prompts", metavar="PROMPT ...", nargs="*",
+                   help="more prompts: decoded as one batch; stdout then carries one JSON line per prompt, in input order")
     _add_model_args(g)
     g.add_argument("--budget", type=int, default=64, help="DDTree budget B, non-root nodes (default 64)")
     g.add_argument("--verifier", choices=VERIFIERS, default="tev",
@@ -123,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable); output ends with it")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     g.add_argument("--block-size", type=int, help="draft block size K (default: the drafter's)")
+    g.add_argument("--prompts-file", metavar="FILE",
+                   help="prompts from a .jsonl file (one 'prompt' or 'messages' per line) or 'humaneval'; "
+                   "stdout: one JSON line per prompt, in input order")
+    g.add_argument("--batch-size", type=int, help="rows decoded together (default: all prompts)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="as transformers' (default 1: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="as OpenAI / SGLang (default 0: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="as OpenAI / SGLang (default 0: off)")
 
     b = sub.add_parser("bench", help="compare autoregressive, chain and DDTree verifiers on a prompt set",
                        description="Benchmark every method on one prompt set in one run; writes results.json, "
@@ -141,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", metavar="DIR",
                    help="output directory, created (default: bench-results/<UTC date-time> under the current directory)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help="also decode all prompts batched at these sizes, e.g. 1,4,16: tokens/s over the batch and "
+                   "per-row tau go into results.json ('batch') and batch_tokens_per_s.png")
     return parser
 
 
@@ -293,10 +305,66 @@ def _check_generate_args(args) -> None:
             raise UsageError(greedy_arg, "'greedy' is exact only at temperature 0; use tev, predraw or sequential")
 
 
+def _controls(args) -> dict:
+    return dict(repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty)
+
+
+def _cmd_generate_batch(args) -> int:
+    """Several prompts (positional and/or --prompts-file) decoded as one batch; stdout: one JSON
+    line per prompt in input order ({"index", "text", "token_ids", "finish_reason"})."""
+    import json
+
+    from .hf.datasets import encode_prompt, load_prompts
+    from .sampling import SamplingParams
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError("--batch-size", f"must be >= 1, got {args.batch_size}")
+    texts = ([args.prompt] if args.prompt is not None else []) + list(args.more_prompts)
+    loaded = []
+    if args.prompts_file:
+        try:
+            loaded = load_prompts(args.prompts_file)
+        except (FileNotFoundError, ValueError) as e:
+            raise UsageError("--prompts-file", str(e)) from None
+        if not loaded:
+            raise UsageError("--prompts-file", f"{args.prompts_file} holds no prompts")
+    if any(t == "" for t in texts):
+        raise UsageError("PROMPT", "prompts must be non-empty")
+    gen = _load(args)
+    chat = not args.no_chat_template
+    prompts = [gen.encode(t, chat) for t in texts] + [encode_prompt(p, gen.tokenizer, chat) for p in loaded]
+    method = args.method or args.verifier
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    t0 = time.perf_counter()
+    try:
+        results = gen.generate(
+            prompts, method=method, budget=args.budget, sampling=sampling, seed=args.seed,
+            max_new_tokens=args.max_new_tokens, stop_strings=args.stop, ignore_eos=args.ignore_eos,
+            block_size=args.block_size, verifier=args.verifier, batch_size=args.batch_size, **_controls(args),
+        )
+    except ValueError as e:
+        raise _usage_from(e, "PROMPT") from None
+    wall = time.perf_counter() - t0
+    for i, r in enumerate(results):
+        print(json.dumps({"index": i, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason}),
+              flush=True)
+    toks = sum(len(r.token_ids) for r in results)
+    rounds = sum(len(r.rounds) for r in results)
+    print(f"[{PROG}] {len(results)} prompts, {toks} tokens, {rounds} row-rounds, tau {toks / max(rounds, 1):.2f}, "
+          f"{toks / wall:.1f} tok/s over the batch, method={method}, batch_size={args.batch_size or len(results)}",
+          file=sys.stderr, flush=True)
+    return 0
+
+
 def cmd_generate(args) -> int:
     from .sampling import SamplingParams
 
     _check_generate_args(args)
+    if args.prompts_file or args.more_prompts or args.batch_size is not None:
+        return _cmd_generate_batch(args)
+    if args.prompt is None:
+        raise UsageError("PROMPT", "give a prompt (or several, or --prompts-file FILE)")
     gen = _load(args)
     tok = gen.tokenizer
     method = args.method or args.verifier
@@ -313,7 +381,7 @@ def cmd_generate(args) -> int:
             args.prompt, method=method, budget=args.budget, sampling=sampling, seed=args.seed,
             max_new_tokens=args.max_new_tokens, stop_strings=args.stop, ignore_eos=args.ignore_eos,
             block_size=args.block_size, verifier=args.verifier, chat_template=not args.no_chat_template,
-            stream=streamer,
+            stream=streamer, **_controls(args),
         )
     except ValueError as e:
         raise _usage_from(e, "PROMPT") from None
@@ -370,7 +438,7 @@ def cmd_bench(args, argv: list[str]) -> int:
             gen, prompts, budgets=args.budgets, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
             methods=args.methods, seed=args.seed, output_dir=out, chat_template=not args.no_chat_template,
             ignore_eos=args.ignore_eos, progress=not args.no_progress,
-            command=shlex.join([PROG, *argv]), meta=meta,
+            command=shlex.join([PROG, *argv]), meta=meta, batch_sizes=args.batch_sizes,
         )
     except ValueError as e:
         raise _usage_from(e, "--dataset") from None
