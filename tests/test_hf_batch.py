@@ -166,3 +166,14 @@ def test_batch_bad_inputs(target):
     out = SpeculativeGenerator(target, OneSeq()).generate([[1, 2], [3]], budget=4, batch_size=1, max_new_tokens=5,
                                                           ignore_eos=True)
     assert [r.token_ids for r in out] == [plain_greedy(target, [1, 2], 5), plain_greedy(target, [3], 5)]
+
+
+def test_static_shapes_give_identical_greedy_output(target):
+    """The fixed-shape mode CUDA graphs capture (whole-cache attention, static slot buffers) runs
+    eagerly on CPU with the same tokens; cuda_graphs on a CPU target is refused naming it."""
+    gen = SpeculativeGenerator(target, OracleDrafter(target, V, accuracy=0.85, block_size=8, seed=1), static_shapes=True)
+    maxes = [30, 20, 40, 25]
+    res = gen.generate(RAGGED, budget=16, max_new_tokens=maxes, ignore_eos=True, batch_size=3)
+    assert [r.token_ids for r in res] == [plain_greedy(target, p, m) for p, m in zip(RAGGED, maxes)]
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        SpeculativeGenerator(target, cuda_graphs=True)

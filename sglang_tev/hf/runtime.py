@@ -255,6 +255,14 @@ class _Run:
         self._sampling_key = None
         self._sampling = None
         self.pending_ctx = None
+        self.static = gen.static_shapes or gen.cuda_graphs
+        self.static_slots: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs = None
+        if gen.cuda_graphs:
+            from .cuda_graphs import GraphedTreeForward
+
+            self.graphs = GraphedTreeForward(self._eager_forward)
+            gen.graph_stats = self.graphs.stats
 
     # ------------------------------------------------------------------ batch management
     def loop(self) -> None:
@@ -443,20 +451,35 @@ class _Run:
 
     def forward_inputs(self, sl: slice, tree: DraftTree, lens) -> dict:
         """The tree forward's positions (past_len + depth) and masks, and where its K/V go (slots
-        past_len + node index of each row); part of the build stage, as the reference's compile."""
+        past_len + node index of each row); part of the build stage, as the reference's compile.
+        With static shapes the attention reads the whole cache and the slots live in a static
+        buffer per (rows, nodes), so a captured graph sees the same tensors every round."""
         g = self.g
         b, n = tree.parents.shape
-        kv_len = max(r.past_len for r in self.active) + n
-        slots = self.active[0].past_len if b == 1 else lens.view(b, 1) + torch.arange(n, device=self.dev)
+        if self.static:
+            kv_len = self.max_len
+            slots = self.static_slots.get((b, n))
+            if slots is None:
+                slots = self.static_slots[(b, n)] = torch.zeros(b, n, dtype=torch.int64, device=self.dev)
+            slots.copy_(lens.view(b, 1) + torch.arange(n, device=self.dev))
+        else:
+            kv_len = max(r.past_len for r in self.active) + n
+            slots = self.active[0].past_len if b == 1 else lens.view(b, 1) + torch.arange(n, device=self.dev)
         masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
         return {"rows": sl, "positions": lens.view(b, 1) + tree.depth, "masks": masks, "slots": slots, "kv_len": kv_len}
 
     def tree_forward(self, tree: DraftTree, inputs: dict):
-        """One target forward over every row's tree: logits float32 [b, N, V], features or None."""
-        g = self.g
+        """One target forward over every row's tree: logits float32 [b, N, V], features or None
+        (a CUDA-graph replay when captured)."""
         self.cache.begin(inputs["rows"], inputs["slots"], inputs["kv_len"])
-        out = g.target(tree.tokens, position_ids=inputs["positions"], attention_mask=inputs["masks"],
-                       **{g._cache_kw: self.cache}, use_cache=True, output_hidden_states=self.need_feats)
+        if self.graphs is not None:
+            return self.graphs(tree.tokens, inputs["positions"], inputs["masks"])
+        return self._eager_forward(tree.tokens, inputs["positions"], inputs["masks"])
+
+    def _eager_forward(self, tokens, positions, masks):
+        g = self.g
+        out = g.target(tokens, position_ids=positions, attention_mask=masks, **{g._cache_kw: self.cache},
+                       use_cache=True, output_hidden_states=self.need_feats)
         feats = g._features(out.hidden_states) if self.need_feats else None
         return out.logits.float(), feats
 
@@ -609,6 +632,11 @@ class SpeculativeGenerator:
     Attributes:
         time_stages: on CUDA, synchronise after each stage so ``RoundStats.stage_ms`` adds up
             (default False: one host sync per round). No effect on CPU.
+        static_shapes: every tree forward of a (rows, nodes) pair has fixed shapes (the attention
+            reads the whole static cache): what CUDA graphs need; runs eagerly anywhere.
+        cuda_graphs: capture the tree forward per (rows, nodes) in a CUDA graph and replay it
+            (implies static_shapes; CUDA only; a failed capture is logged and runs eagerly;
+            ``graph_stats`` holds captures, capture seconds and fallbacks). Not measured here.
         committed, past_len: after a call with ONE prompt, its committed tokens (int64 [1, L]) and
             ``L - 1`` (the KV of positions [0, past_len) is in ``cache`` row 0); None after a batch.
 
@@ -618,7 +646,8 @@ class SpeculativeGenerator:
         (layer types other than full and sliding attention).
     """
 
-    def __init__(self, target, drafter=None, tokenizer=None) -> None:
+    def __init__(self, target, drafter=None, tokenizer=None, *, static_shapes: bool = False,
+                 cuda_graphs: bool = False) -> None:
         from .dflash_runner import StaticDFlashDrafter
         from .drafters import DFlashDrafter, SequenceDrafterAdapter
 
@@ -639,6 +668,11 @@ class SpeculativeGenerator:
             drafter = SequenceDrafterAdapter(drafter)
         self.drafter = drafter
         self.time_stages = False
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs: needs the target on a CUDA device, it is on {self.device}")
+        self.static_shapes = bool(static_shapes)
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graph_stats: dict | None = None
         self.cache: StaticKVCache | None = None
         self.committed: torch.Tensor | None = None
         self.past_len: int | None = None
@@ -651,6 +685,7 @@ class SpeculativeGenerator:
         *,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        **options,
     ) -> "SpeculativeGenerator":
         """Load a target (HF directory with tokenizer) and a z-lab DFlash drafter from disk.
 
@@ -659,6 +694,7 @@ class SpeculativeGenerator:
             draft: directory of the DFlash drafter (z-lab layout), or None.
             dtype: default float32 on CPU, bfloat16 on CUDA.
             device: default CUDA when available, else CPU.
+            options: ``static_shapes`` / ``cuda_graphs`` (see the class).
         Raises:
             FileNotFoundError / ValueError naming ``target`` or ``draft``; ValueError when the
             drafter does not fit the target or ``target`` is a DFlash drafter directory.
@@ -694,7 +730,7 @@ class SpeculativeGenerator:
             dm = DFlashDraftModel.from_pretrained(draft, dtype=dtype, device=device)
             dm.validate_against_target(model.config)
             drafter = DFlashDrafter(dm.eval(), model)
-        return cls(model, drafter, tok)
+        return cls(model, drafter, tok, **options)
 
     # ------------------------------------------------------------------ helpers
     @property
