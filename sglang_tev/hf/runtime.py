@@ -237,7 +237,14 @@ class _Run:
         longest = max(min(len(r.ids) + r.req.max_new_tokens, gen.max_positions) for r in rows)
         self.max_len = longest + self.n_nodes + 1
         self.need_feats = self.speculative and bool(getattr(gen.drafter, "target_layer_ids", None))
-        gen.cache = StaticKVCache(cap, self.max_len, gen.config.num_hidden_layers, self.dev, gen.target.dtype)
+        reuse = gen.cuda_graphs and gen._graph_key is not None and gen._graph_key[0] == cap \
+            and gen._graph_key[1] >= self.max_len
+        if gen.cuda_graphs:  # captured graphs hold the cache's buffers: keep them across calls
+            self.max_len = gen._graph_key[1] if reuse else -(-self.max_len // 256) * 256
+        if not reuse:
+            gen.cache = StaticKVCache(cap, self.max_len, gen.config.num_hidden_layers, self.dev, gen.target.dtype)
+            gen._graphs, gen._static_slots = None, {}
+            gen._graph_key = (cap, self.max_len) if gen.cuda_graphs else None
         self.cache = gen.cache
         self.tokens = torch.zeros(cap, self.max_len, dtype=torch.int64, device=self.dev)
         V = gen.vocab_size
@@ -256,12 +263,16 @@ class _Run:
         self._sampling = None
         self.pending_ctx = None
         self.static = gen.static_shapes or gen.cuda_graphs
-        self.static_slots: dict[tuple[int, int], torch.Tensor] = {}
+        self.static_slots: dict[tuple[int, int], torch.Tensor] = gen._static_slots
         self.graphs = None
         if gen.cuda_graphs:
             from .cuda_graphs import GraphedTreeForward
 
-            self.graphs = GraphedTreeForward(self._eager_forward)
+            if gen._graphs is None:
+                gen._graphs = GraphedTreeForward(self._eager_forward)
+            else:  # the captured forwards run on this call's cache (the same buffers)
+                gen._graphs.forward = self._eager_forward
+            self.graphs = gen._graphs
             gen.graph_stats = self.graphs.stats
 
     # ------------------------------------------------------------------ batch management
@@ -673,6 +684,9 @@ class SpeculativeGenerator:
         self.static_shapes = bool(static_shapes)
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_stats: dict | None = None
+        self._graphs = None
+        self._graph_key = None
+        self._static_slots: dict = {}
         self.cache: StaticKVCache | None = None
         self.committed: torch.Tensor | None = None
         self.past_len: int | None = None
