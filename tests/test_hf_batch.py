@@ -37,6 +37,11 @@ def test_greedy_batch_equals_batch_one_and_plain(target, drafter):
                 assert np.mean([x.accept_len for r in res for x in r.rounds]) >= 1.5
     one = gen.generate(RAGGED[1], method="tev", budget=16, max_new_tokens=25, ignore_eos=True)
     assert one.token_ids == refs[1]
+    if drafter == "dflash":  # full blocks always: a row's trees, hence its rounds, do not depend on the batch
+        batch = gen.generate(RAGGED, method="tev", budget=16, max_new_tokens=maxes, ignore_eos=True)
+        for p, m, r in zip(RAGGED, maxes, batch):
+            alone = gen.generate(p, method="tev", budget=16, max_new_tokens=m, ignore_eos=True)
+            assert [x.emitted for x in r.rounds] == [x.emitted for x in alone.rounds]
 
 
 def test_finished_rows_stop_costing_and_stops_per_row(target):

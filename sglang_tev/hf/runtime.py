@@ -417,12 +417,16 @@ class _Run:
             self.pending_ctx = None
 
     def draft(self, sl: slice, roots, lens, depth_cap: list[int]) -> torch.Tensor | None:
-        """Per-depth draft logits [b, H, V] (H = the deepest cap of the batch), or None."""
+        """Per-depth draft logits [b, K - 1, V], or None when no row may draft.
+
+        Always the full block: attention inside a DFlash block is bidirectional, so a shorter block
+        would change every depth's logits; with the full block a row's drafts do not depend on its
+        neighbours' depth caps (nor on the batch), and the draft forward has one shape. The tree's
+        depth is capped per row by the builder instead."""
         self._flush_context()
-        H = max(depth_cap)
-        if H <= 0:
+        if max(depth_cap) <= 0:
             return None
-        return self.g.drafter.draft_rows(sl, roots, lens, self.tokens[sl], H, max(r.past_len for r in self.active))
+        return self.g.drafter.draft_rows(sl, roots, lens, self.tokens[sl], self.K - 1, max(r.past_len for r in self.active))
 
     def build(self, draft_logits, roots, depth_cap: list[int]) -> DraftTree:
         """The round's trees: DDTree (depth capped per row, stop tokens kept as leaves), the
@@ -434,8 +438,8 @@ class _Run:
         cap_t = torch.tensor(depth_cap, dtype=torch.int64, device=dev)
         leaf = self._leaf_tokens()
         if self.method == "chain":
-            H = draft_logits.shape[1]
-            chain = draft_logits.argmax(-1)  # [b, H]
+            H = min(draft_logits.shape[1], max(depth_cap))
+            chain = draft_logits[:, :H].argmax(-1)  # [b, H]
             parents = torch.arange(-1, H, device=dev).expand(b, H + 1)
             tokens = torch.cat([roots.view(b, 1), chain], 1)
             ok = torch.arange(1, H + 1, device=dev).view(1, H) <= cap_t.view(b, 1)
