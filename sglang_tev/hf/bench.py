@@ -358,6 +358,7 @@ def run_bench(
 
     records: list[dict] = []
     emitted: dict = {}
+    generator.time_stages = True  # a CUDA synchronise per stage, so stage_ms adds up to the round
     outputs_f = open(out_dir / "outputs.jsonl", "w", encoding="utf-8") if out_dir is not None else None
     bar = tqdm(total=len(configs) * len(kept), desc="bench", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     try:
