@@ -127,8 +127,9 @@ def main(argv=None) -> int:
     records = []
     for B in budgets:
         acc = {name: dict(st={}, per_round=[], toks=0, secs=0.0, outs=[]) for name in ("reference", "ours")}
-        for ids in prompts:  # interleaved, so both see the same machine load
-            for name, fn in (("reference", reference), ("ours", ours)):
+        for i, ids in enumerate(prompts):  # interleaved, who goes first alternating: same machine load
+            pair = (("reference", reference), ("ours", ours))
+            for name, fn in (pair if i % 2 == 0 else pair[::-1]):
                 a = acc[name]
                 out, st, emitted, s = fn(ids, B)
                 for k, v in st.items():

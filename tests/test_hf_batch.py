@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from exact_law import chi_square_pvalue
-from test_hf_runtime import PROMPTS, V, dflash_for, plain_greedy, qwen3
+from test_hf_runtime import V, dflash_for, plain_greedy, qwen3
 
 from sglang_tev import SamplingParams, processed_probs
 from sglang_tev.hf.drafters import DFlashDrafter, OracleDrafter

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..draft.ddtree import build_ddtree
-from ..sampling import GREEDY_EPS, SamplingParams
+from ..sampling import SamplingParams
 from ..tree import DraftTree
 from ..verify import METHODS as VERIFIERS
 from ..verify import num_uniforms, verify_tree
