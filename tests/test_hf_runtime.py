@@ -122,14 +122,15 @@ def test_dflash_drafter_context_is_the_accepted_features(target):
 
     def checked(rows, roots, root_pos, tokens, depth, max_root_pos):
         out = real_draft(rows, roots, root_pos, tokens, depth, max_root_pos)
-        seen.append((int(root_pos[0]), tokens[0, : int(root_pos[0]) + 1].clone(), out.clone(), depth))
+        seen.append((int(root_pos[0]), roots[0].item(), out.clone(), depth))
         return out
 
     drafter.draft_rows = checked
     res = gen.generate(PROMPTS[1], method="tev", budget=16, max_new_tokens=60, ignore_eos=True)
     assert res.token_ids == plain_greedy(target, PROMPTS[1], 60)
-    root_pos, committed, logits, depth = seen[-1]
-    assert committed.tolist() == (PROMPTS[1] + res.token_ids)[: root_pos + 1]
+    root_pos, root, logits, depth = seen[-1]
+    committed = torch.tensor((PROMPTS[1] + res.token_ids)[: root_pos + 1])
+    assert int(committed[-1]) == root
     with torch.no_grad():
         hs = target(committed[None, :root_pos], output_hidden_states=True).hidden_states
         feats = dm.extract_context_features(hs)

@@ -29,7 +29,7 @@ import torch
 
 from ..tree import DraftTree
 
-__all__ = ["Controls", "path_counts", "apply_controls", "first_bad_node"]
+__all__ = ["Controls", "path_counts", "apply_controls", "first_bad_node", "bad_nodes"]
 
 LogitsProcessorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -156,6 +156,12 @@ def _paths(tree: DraftTree, r: int) -> list[torch.Tensor]:
     for i in range(1, len(par)):
         out.append(torch.cat([out[par[i]] if par[i] > 0 else tok[:0], tok[i: i + 1]]))
     return out
+
+
+def bad_nodes(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """bool [b, N]: valid nodes whose logits row has NaN or +inf or only -inf. One pass: amax is
+    NaN when the row holds a NaN, +inf with a +inf, -inf when all are -inf. No host sync."""
+    return ~torch.isfinite(logits.amax(-1)) & valid
 
 
 def first_bad_node(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..draft.dflash import DFlashDraftModel, _apply_rope, _rope
+from ..draft.dflash import DFlashDraftModel, _apply_rope
 
 __all__ = ["StaticDFlashDrafter"]
 
@@ -30,6 +30,7 @@ class StaticDFlashDrafter:
     """
 
     max_rows = None
+    reads_tokens = False  # roots and context features only: the runtime need not keep a token buffer
 
     def __init__(self, model: DFlashDraftModel, target) -> None:
         self.model = model.eval()
@@ -39,6 +40,18 @@ class StaticDFlashDrafter:
         self.target_layer_ids = tuple(model.target_layer_ids)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self._inv_freq: torch.Tensor | None = None
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [b, T, head_dim] as ``dflash._rope`` (default RoPE), its inverse frequencies
+        computed once."""
+        cfg = self.model.config
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=positions.device,
+                                                                    dtype=torch.float) / cfg.head_dim))
+        freqs = positions[..., None].float() * self._inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def start(self, rows: int, max_len: int, device) -> None:
         cfg = self.model.config
@@ -55,7 +68,7 @@ class StaticDFlashDrafter:
         m = self.model
         dtype = m.fc.weight.dtype
         ctx = m.hidden_norm(m.fc(features.to(dtype)))
-        cos, sin = _rope(positions, m.config.head_dim, m.config.rope_theta, dtype)
+        cos, sin = self._rope(positions, dtype)
         idx = positions[:, None, :, None]
         for layer, kb, vb in zip(m.layers, self.keys, self.values):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
@@ -74,7 +87,7 @@ class StaticDFlashDrafter:
         block = torch.full((b, k_blk), cfg.mask_token_id, dtype=torch.int64, device=dev)
         block[:, 0] = roots
         pos = root_pos.view(b, 1) + torch.arange(k_blk, device=dev)  # [b, K']
-        cos, sin = _rope(pos, cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = self._rope(pos, dtype)
         kv_len = max_root_pos + k_blk
         # a row sees its context [0, root_pos) and its block [root_pos, root_pos + K')
         mask = None

@@ -31,6 +31,8 @@ class BatchDrafter(Protocol):
         target_layer_ids: target layers whose outputs (HF ``hidden_states[id + 1]``) the drafter
             reads as context features, or None when it needs none.
         max_rows: largest batch it serves (None = any).
+        reads_tokens: optional, default True; False when ``draft_rows`` never reads ``tokens``
+            (the runtime then does not keep that buffer up to date).
     """
 
     block_size: int

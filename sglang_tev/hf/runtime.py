@@ -43,7 +43,7 @@ from ..sampling import SamplingParams
 from ..tree import DraftTree
 from ..verify import METHODS as VERIFIERS
 from ..verify import num_uniforms, verify_tree
-from .controls import Controls, apply_controls, first_bad_node
+from .controls import Controls, apply_controls, bad_nodes
 from .static_cache import StaticKVCache, attention_layout, prefill_masks, tree_masks
 
 __all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "Request", "Controls",
@@ -257,6 +257,8 @@ class _Run:
         self.counts = torch.zeros(cap, V, dtype=torch.float32, device=self.dev) if self.use_counts else None
         self.bias = torch.zeros(cap, V, dtype=torch.float32, device=self.dev) if self.use_bias else None
         self.any_stops = any(r.stops for r in rows)
+        # the committed-token buffer feeds drafters that read tokens and user processors / penalties
+        self.need_tokens = (self.speculative and getattr(gen.drafter, "reads_tokens", True)) or self.use_controls
         if self.speculative:
             gen.drafter.start(cap, self.max_len, self.dev)
         self._sampling_key = None
@@ -530,25 +532,26 @@ class _Run:
 
     def verify(self, tree: DraftTree, logits: torch.Tensor) -> dict:
         """Controls at every node, the finiteness check, the verifier, and the round's one host
-        sync: a packed float64 [b, N + 5] read back at once."""
+        sync: a packed float64 [b, 2N + 4] read back at once."""
         b, n = tree.parents.shape
         if self.use_controls:
             logits = apply_controls(logits, tree, [r.controls for r in self.active], self.counts[:b] if self.counts is not None else None,
                                     self.seen[:b] if self.seen is not None else None,
                                     self.bias[:b] if self.bias is not None else None,
                                     lambda i: self.tokens[i, : self.active[i].past_len + 1])
-        bad = first_bad_node(logits, tree.valid)
+        bad = bad_nodes(logits, tree.valid)
         sampling = self._row_sampling()
         vout = verify_tree(tree, logits, method=self.vmethod, sampling=sampling, uniforms=self._uniforms(n),
                            validate=False)
         path_tokens = tree.tokens.gather(1, vout.path.clamp(min=0))
-        packed = torch.cat([path_tokens.to(torch.float64), vout.accept_len.view(b, 1).to(torch.float64),
-                            vout.bonus.view(b, 1).to(torch.float64), bad.view(b, 1).to(torch.float64),
-                            vout.coverage.view(b, 1).to(torch.float64), tree.valid.sum(1, keepdim=True).to(torch.float64)], 1)
+        # columns: path tokens [N], accept_len, bonus, coverage, tree size, bad-node flags [N]
+        packed = torch.cat([path_tokens, vout.accept_len.view(b, 1), vout.bonus.view(b, 1)], 1).to(torch.float64)
+        packed = torch.cat([packed, vout.coverage.view(b, 1).to(torch.float64), tree.valid.sum(1, keepdim=True).to(torch.float64),
+                            bad.to(torch.float64)], 1)
         host = packed.tolist()  # the one host sync of the round
         for i, h in enumerate(host):
-            if h[n + 2] >= 0:
-                v = int(h[n + 2])
+            if any(h[n + 4:]):
+                v = h[n + 4:].index(1.0)
                 r = self.active[i]
                 raise NonFiniteLogitsError(
                     f"target logits are not finite (NaN, +inf or all -inf) at round {self.round_no}, prompt {r.index}, "
@@ -590,14 +593,14 @@ class _Run:
             r.ids.extend(block)
             r.past_len += m  # the KV of root + the first m - 1 block tokens is cached (m - 1 <= acc)
             r.result.token_ids.extend(block)
-            r.result.rounds.append(RoundStats(min(acc, m), m, float(h[n + 3]), int(h[n + 4]), times,
+            r.result.rounds.append(RoundStats(min(acc, m), m, float(h[n + 2]), int(h[n + 3]), times,
                                               verified_accept_len=acc, batch_rows=b))
             if self.stream is not None and block:
                 self.stream(r.index, block)
             if reason is not None:
                 r.result.finish_reason = reason
                 finished.append(i)
-        if writes_r:
+        if writes_r and self.need_tokens:
             wr = torch.tensor(writes_r, device=self.dev)
             wt = torch.tensor(writes_t, dtype=torch.int64, device=self.dev)
             self.tokens[wr, torch.tensor(writes_c, device=self.dev)] = wt
