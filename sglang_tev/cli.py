@@ -154,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", metavar="PROMPT", nargs="?",
                    help="the prompt text; '-' reads it from stdin (verbatim, until EOF)")
     g.add_argument("--prompts-file", metavar="FILE",
-                   help="generate for every prompt of FILE, one after another, instead of PROMPT: a .jsonl "
-                   "file (one 'prompt' or 'messages' per line, optional 'id') or a text file (one prompt per "
-                   "non-empty line); stdout gets one JSON line per prompt")
+                   help="also generate for every prompt of FILE: a .jsonl file (one 'prompt' or 'messages' per "
+                   "line, optional 'id'), 'humaneval', or a text file (one prompt per non-empty line); all prompts are decoded "
+                   "as one batch (--batch-size rows at a time) and stdout gets one JSON line per prompt, in order")
+    g.add_argument("more_prompts", metavar="PROMPT ...", nargs="*",
+                   help="more prompts: decoded as one batch; stdout then carries one JSON line per prompt, in input order")
     _add_model_args(g)
     g.add_argument("--budget", type=int, default=64, help="DDTree budget B, non-root nodes (default 64)")
     g.add_argument("--verifier", choices=VERIFIERS, default="tev",
@@ -172,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable); output ends with it")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     g.add_argument("--block-size", type=int, help="draft block size K (default: the drafter's)")
+    g.add_argument("--batch-size", type=int, help="rows decoded together (default: all prompts)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="as transformers' (default 1: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="as OpenAI / SGLang (default 0: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="as OpenAI / SGLang (default 0: off)")
 
     b = sub.add_parser("bench", help="compare autoregressive, chain and DDTree verifiers on a prompt set",
                        description="Benchmark every method on one prompt set in one run; writes results.json, "
@@ -196,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory); an existing non-empty one is refused unless --overwrite")
     b.add_argument("--overwrite", action="store_true", help="write into a non-empty --output, replacing its files")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help="also decode all prompts batched at these sizes, e.g. 1,4,16: tokens/s over the batch and "
+                   "per-row tau go into results.json ('batch') and batch_tokens_per_s.png")
     return parser
 
 
@@ -341,12 +350,12 @@ def _common_prefix(a: str, b: str) -> int:
 
 def _check_generate_args(args) -> None:
     """Every check that needs no model (run before loading one)."""
-    if args.prompts_file is not None and args.prompt is not None:
-        raise UsageError("--prompts-file", "not allowed with PROMPT: give one or the other")
     if args.prompts_file is None and args.prompt is None:
         raise UsageError("PROMPT", "give a prompt, '-' to read it from stdin, or --prompts-file FILE")
-    if args.prompt == "":
+    if args.prompt == "" or "" in args.more_prompts:
         raise UsageError("PROMPT", "the prompt is empty")
+    if "-" in args.more_prompts or (args.prompt == "-" and args.more_prompts):
+        raise UsageError("PROMPT", "'-' (stdin) must be the only PROMPT")
     if args.budget < 0:
         raise UsageError("--budget", f"must be >= 0, got {args.budget}")
     if args.budget > MAX_BUDGET:
@@ -376,12 +385,16 @@ def _check_generate_args(args) -> None:
 
 
 def _read_prompts_file(path: str) -> list:
-    """[Prompt] of a .jsonl file (hf.datasets.load_jsonl) or a text file (one per non-empty line)."""
+    """[Prompt] of a .jsonl file (hf.datasets.load_jsonl), ``humaneval``, or a text file (one per
+    non-empty line)."""
     from .hf.datasets import Prompt, load_jsonl
 
     p = Path(path)
     try:
-        if p.suffix == ".jsonl":
+        if path == "humaneval":
+            from .hf.datasets import load_prompts
+            prompts = load_prompts("humaneval")
+        elif p.suffix == ".jsonl":
             prompts = load_jsonl(p)
         else:
             if not p.is_file():
@@ -403,6 +416,59 @@ def _summary_gap() -> None:
         sys.stderr.write("\n")
 
 
+def _controls(args) -> dict:
+    return dict(repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty)
+
+
+def _cmd_generate_batch(args, file_prompts: list) -> int:
+    """Several prompts (PROMPT ... and/or --prompts-file rows) decoded as one batch of
+    ``--batch-size`` rows; stdout: one JSON line per prompt in input order ({"index", "id", "text",
+    "token_ids", "new_tokens", "rounds", "tau", "finish_reason"}); one summary line on stderr."""
+    from .hf.datasets import Prompt, encode_prompt
+    from .sampling import SamplingParams
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError("--batch-size", f"must be >= 1, got {args.batch_size}")
+    texts = ([args.prompt] if args.prompt is not None else []) + list(args.more_prompts)
+    items = [Prompt(id=f"PROMPT:{i}", text=t) for i, t in enumerate(texts, 1)] + list(file_prompts)
+    gen = _load(args)
+    chat = not args.no_chat_template
+    prompts = []
+    for p in items:  # every prompt is checked before the first is generated
+        ids = encode_prompt(p, gen.tokenizer, chat)
+        arg = "--prompts-file" if p in file_prompts else "PROMPT"
+        if not ids:
+            raise UsageError(arg, f"{p.id}: the prompt has no tokens")
+        if len(ids) > gen.max_positions:
+            raise UsageError(arg, f"{p.id}: the prompt has {len(ids)} tokens, more than the model's "
+                                  f"{gen.max_positions} positions")
+        prompts.append(ids)
+    method = args.method or args.verifier
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    t0 = time.perf_counter()
+    try:
+        results = gen.generate(
+            prompts, method=method, budget=args.budget, sampling=sampling, seed=args.seed,
+            max_new_tokens=args.max_new_tokens, stop_strings=args.stop, ignore_eos=args.ignore_eos,
+            block_size=args.block_size, verifier=args.verifier, batch_size=args.batch_size, **_controls(args),
+        )
+    except ValueError as e:
+        raise _usage_from(e, "PROMPT") from None
+    wall = time.perf_counter() - t0
+    for i, (p, r) in enumerate(zip(items, results)):
+        row = {"index": i, "id": p.id, "text": r.text, "token_ids": r.token_ids, "new_tokens": len(r.token_ids),
+               "rounds": len(r.rounds), "tau": r.tau, "finish_reason": r.finish_reason}
+        sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    toks = sum(len(r.token_ids) for r in results)
+    rounds = sum(len(r.rounds) for r in results)
+    print(f"[{PROG}] {len(results)} prompts, {toks} tokens, {rounds} row-rounds, tau {toks / max(rounds, 1):.2f}, "
+          f"{toks / wall:.1f} tok/s over the batch, method={method}, batch_size={args.batch_size or len(results)}",
+          file=sys.stderr, flush=True)
+    return 0
+
+
 def cmd_generate(args) -> int:
     from .sampling import SamplingParams
 
@@ -419,6 +485,8 @@ def cmd_generate(args) -> int:
         args.prompt = sys.stdin.read()
         if args.prompt == "":
             raise UsageError("PROMPT", "stdin is empty ('-' reads the prompt from stdin)")
+    if prompts is not None or args.more_prompts or args.batch_size is not None:
+        return _cmd_generate_batch(args, prompts or [])
     gen = _load(args)
     tok = gen.tokenizer
     method = args.method or args.verifier
@@ -428,8 +496,6 @@ def cmd_generate(args) -> int:
                   block_size=args.block_size, verifier=args.verifier, chat_template=not args.no_chat_template)
     extra = f"budget={args.budget}" if method in VERIFIERS else (f"verifier={args.verifier}" if method == "chain" else "")
     extra = f", method={method}" + (f", {extra}" if extra else "")
-    if prompts is not None:
-        return _generate_prompts_file(gen, prompts, kwargs, extra, not args.no_chat_template)
 
     def write(s: str) -> None:
         sys.stdout.write(s)
@@ -438,7 +504,7 @@ def cmd_generate(args) -> int:
     streamer = TextStreamer(lambda ids: tok.decode(ids, skip_special_tokens=True), write,
                             hold_spaces=bool(getattr(tok, "clean_up_tokenization_spaces", False)))
     try:
-        result = gen.generate(args.prompt, stream=streamer, **kwargs)
+        result = gen.generate(args.prompt, stream=streamer, **kwargs, **_controls(args))
     except ValueError as e:
         raise _usage_from(e, "PROMPT") from None
     text = streamer.finish(result.token_ids)
@@ -446,41 +512,6 @@ def cmd_generate(args) -> int:
         _summary_gap()
     print(f"[{PROG}] {len(result.token_ids)} tokens, {len(result.rounds)} rounds, tau {result.tau:.2f}, "
           f"{result.tokens_per_s:.1f} tok/s, finish={result.finish_reason}{extra}", file=sys.stderr, flush=True)
-    return 0
-
-
-def _generate_prompts_file(gen, prompts, kwargs, extra, chat_template) -> int:
-    """One prompt after another; stdout: one JSON line per prompt, in file order."""
-    from .hf.datasets import encode_prompt
-
-    encoded = []
-    for p in prompts:  # every prompt is checked before the first is generated
-        ids = encode_prompt(p, gen.tokenizer, chat_template)
-        if not ids:
-            raise UsageError("--prompts-file", f"{p.id}: the prompt has no tokens")
-        if len(ids) > gen.max_positions:
-            raise UsageError("--prompts-file", f"{p.id}: the prompt has {len(ids)} tokens, more than the "
-                                               f"model's {gen.max_positions} positions")
-        encoded.append(ids)
-    tokens = rounds = 0
-    decode_s = 0.0
-    for p, ids in zip(prompts, encoded):
-        try:
-            res = gen.generate(ids, **kwargs)
-        except ValueError as e:
-            u = _usage_from(e, "--prompts-file")
-            raise UsageError(u.arg, f"{p.id}: {_strip_name(str(e))}") from None
-        tokens += len(res.token_ids)
-        rounds += len(res.rounds)
-        decode_s += res.decode_s
-        row = {"id": p.id, "text": res.text, "token_ids": res.token_ids, "new_tokens": len(res.token_ids),
-               "rounds": len(res.rounds), "tau": res.tau, "finish_reason": res.finish_reason}
-        sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
-        sys.stdout.flush()
-    tau = tokens / rounds if rounds else 0.0
-    tps = tokens / decode_s if decode_s > 0 else 0.0
-    print(f"[{PROG}] {len(prompts)} prompts, {tokens} tokens, {rounds} rounds, tau {tau:.2f}, {tps:.1f} tok/s{extra}",
-          file=sys.stderr, flush=True)
     return 0
 
 
@@ -534,7 +565,7 @@ def cmd_bench(args, argv: list[str]) -> int:
             gen, prompts, budgets=args.budgets, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
             methods=args.methods, seed=args.seed, output_dir=out, chat_template=not args.no_chat_template,
             ignore_eos=args.ignore_eos, progress=not args.no_progress, repeats=args.repeats,
-            overwrite=args.overwrite,
+            overwrite=args.overwrite, batch_sizes=args.batch_sizes,
             command=shlex.join([PROG, *argv]), meta=meta,
         )
     except ValueError as e:

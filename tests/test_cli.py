@@ -334,8 +334,6 @@ def test_prompts_from_a_file(capsys, tmp_path, pair, ref):
             assert r["text"] == exp.text and r["new_tokens"] == len(exp.token_ids)
             assert r["finish_reason"] == exp.finish_reason and r["rounds"] == len(exp.rounds)
         assert err.count("[sglang-tev]") == 1 and f"{len(want)} prompts" in err, err
-    rc, out, err = run_cli(capsys, pair, "--prompts-file", str(jsonl), PROMPT)
-    assert rc == 2 and "argument --prompts-file: not allowed with PROMPT" in err
     rc, out, err = run_cli(capsys, pair, "--prompts-file", str(tmp_path / "none.jsonl"))
     assert rc == 2 and "argument --prompts-file:" in err and "no such file" in err
     (tmp_path / "blank.txt").write_text("\n \n")

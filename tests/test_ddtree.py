@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,16 +14,19 @@ from sglang_tev import build_ddtree, build_ddtree_topk
 from sglang_tev.draft.ddtree import build_ddtree_reference
 
 
-def brute_force(lq: np.ndarray, ids: np.ndarray, budget: int):
+def brute_force(lq: np.ndarray, ids: np.ndarray, budget: int, depth_limit=None, leaf=()):
     """All prefixes of the per-depth lists, sorted by (score desc, rank tuple asc); top `budget`.
 
     lq/ids must already be ranked (log-prob desc, id asc). Scores accumulate in float64 in
-    depth order, like the builders.
+    depth order, like the builders. Prefixes deeper than ``depth_limit`` or with a ``leaf``
+    token before their last position do not exist.
     """
     H, k = lq.shape
     items = []
-    for d in range(1, H + 1):
+    for d in range(1, (H if depth_limit is None else min(H, depth_limit)) + 1):
         for ranks in itertools.product(range(k), repeat=d):
+            if any(int(ids[j, r]) in leaf for j, r in enumerate(ranks[:-1])):
+                continue
             s = 0.0
             for j, r in enumerate(ranks):
                 s = s + float(lq[j, r])
@@ -52,8 +56,9 @@ def tree_lists(tree, r):
     k=st.integers(1, 3),
     budget=st.integers(0, 30),
     tied=st.booleans(),
+    impl=st.sampled_from(["heap", "levels"]),
 )
-def test_equals_brute_force_with_ties(seed, H, k, budget, tied):
+def test_equals_brute_force_with_ties(seed, H, k, budget, tied, impl):
     rng = np.random.default_rng(seed)
     b = 3
     if tied:  # a small set of values makes equal scores common
@@ -62,7 +67,7 @@ def test_equals_brute_force_with_ties(seed, H, k, budget, tied):
         lq = np.log(rng.dirichlet(np.ones(8), size=(b, H))[..., :k]).astype(np.float32)
     ids = np.stack([np.stack([rng.permutation(8)[:k] for _ in range(H)]) for _ in range(b)])
     roots = torch.tensor([1, 2, 3])
-    tree = build_ddtree_topk(torch.from_numpy(lq), torch.from_numpy(ids).long(), budget, roots)
+    tree = build_ddtree_topk(torch.from_numpy(lq), torch.from_numpy(ids).long(), budget, roots, impl=impl)
     assert tree.num_nodes == 1 + budget
     for r in range(b):
         lr, ir = ranked(lq[r].astype(np.float64), ids[r])
@@ -73,14 +78,15 @@ def test_equals_brute_force_with_ties(seed, H, k, budget, tied):
         assert p == p_ref and t == t_ref
 
 
-def test_matches_reference_on_random_logits():
+@pytest.mark.parametrize("impl", ["heap", "levels"])
+def test_matches_reference_on_random_logits(impl):
     """Same nodes in the same order as the heap reference (with the reference's own sibling
     arithmetic too) at real sizes: H = 15, V = 512, budgets up to 128."""
     g = torch.Generator().manual_seed(0)
     for budget in [1, 7, 32, 64, 128]:
         logits = torch.randn(4, 15, 512, generator=g) * 3
         roots = torch.arange(4)
-        tree = build_ddtree(logits, budget, roots)
+        tree = build_ddtree(logits, budget, roots, impl=impl)
         k = min(budget, 512)
         vals, ids = torch.topk(torch.log_softmax(logits, -1), k)
         for r in range(4):
@@ -121,3 +127,52 @@ def test_invariants(seed, H, V, budget):
 def test_budget_zero_is_root_only():
     tree = build_ddtree(torch.randn(2, 3, 5), 0, torch.tensor([4, 2]))
     assert tree.num_nodes == 1 and tree.tokens[:, 0].tolist() == [4, 2] and tree.max_depth == 0
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), H=st.integers(1, 4), k=st.integers(1, 3), budget=st.integers(0, 30),
+       impl=st.sampled_from(["heap", "levels"]))
+def test_depth_limit_and_leaf_tokens_equal_brute_force(seed, H, k, budget, impl):
+    """Per-tree depth limits and leaf (stop) tokens: the tree is the top-`budget` prefixes among
+    those that exist (no prefix deeper than the limit, none continuing past a leaf token), for
+    both implementations and the heap reference; no node ever has a leaf-token parent."""
+    rng = np.random.default_rng(seed)
+    b = 3
+    lq = np.log(rng.dirichlet(np.ones(6), size=(b, H))[..., :k]).astype(np.float32)
+    ids = np.stack([np.stack([rng.permutation(6)[:k] for _ in range(H)]) for _ in range(b)])
+    limits = [int(x) for x in rng.integers(0, H + 1, size=b)]
+    leaves = [[int(x) for x in rng.choice(6, size=2, replace=False)] for _ in range(b)]
+    tree = build_ddtree_topk(torch.from_numpy(lq), torch.from_numpy(ids).long(), budget, torch.tensor([1, 2, 3]),
+                             depth_limit=torch.tensor(limits), leaf_tokens=torch.tensor(leaves), impl=impl)
+    for r in range(b):
+        lr, ir = ranked(lq[r].astype(np.float64), ids[r])
+        p_bf, t_bf = brute_force(lr, ir, budget, limits[r], set(leaves[r]))
+        p, t = tree_lists(tree, r)
+        assert p == p_bf and t[1:] == t_bf
+        ref = build_ddtree_reference(torch.from_numpy(lq[r]), torch.from_numpy(ids[r]).long(), budget, r + 1,
+                                     depth_limit=limits[r], leaf_tokens=leaves[r])
+        assert (p, t) == ref
+        assert all(t[p[i]] not in leaves[r] for i in range(1, len(p)) if p[i] > 0)
+
+
+def test_heap_and_levels_give_identical_tree_tensors():
+    """Every DraftTree field, the ancestor mask included, is the same for both implementations."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, 64, generator=g) * 2
+    logits[1, :, :40] = float("-inf")  # -inf log-probabilities inside the lists
+    for budget in [1, 5, 33]:
+        a = build_ddtree(logits, budget, torch.tensor([0, 1, 2]), impl="heap")
+        c = build_ddtree(logits, budget, torch.tensor([0, 1, 2]), impl="levels")
+        for f in ("parents", "tokens", "valid", "depth", "ancestor_mask"):
+            assert torch.equal(getattr(a, f), getattr(c, f)), (budget, f)
+        assert a.max_depth == c.max_depth
+
+
+def test_bad_builder_options():
+    v, i = torch.randn(2, 3, 4).log_softmax(-1), torch.arange(4).expand(2, 3, 4).clone()
+    with pytest.raises(ValueError, match="impl"):
+        build_ddtree_topk(v, i, 4, torch.tensor([0, 1]), impl="fast")
+    with pytest.raises(ValueError, match="depth_limit"):
+        build_ddtree_topk(v, i, 4, torch.tensor([0, 1]), depth_limit=torch.tensor([1]))
+    with pytest.raises(ValueError, match="leaf_tokens"):
+        build_ddtree_topk(v, i, 4, torch.tensor([0, 1]), leaf_tokens=torch.tensor([1, 2]))

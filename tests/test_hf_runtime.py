@@ -104,39 +104,45 @@ def test_kv_cache_equals_plain_forward_after_many_rounds(target):
     ref = DynamicCache(config=target.config)
     with torch.no_grad():
         target(committed[:, :-1], **cache_kwargs(target, ref))
-    for got, want in zip(gen.cache.layers, ref.layers):
-        assert got.keys.shape == want.keys.shape
-        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-5)
+    for (k, v), want in zip(gen.cache.row_kv(0, gen.past_len), ref.layers):
+        assert k.shape == want.keys.shape
+        torch.testing.assert_close(k, want.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, want.values, rtol=1e-4, atol=1e-5)
 
 
 def test_dflash_drafter_context_is_the_accepted_features(target):
-    """Greedy identity with a (random) DFlash drafter, and its context cache holds exactly the
-    target features of positions [0, root position) at every draft call."""
+    """Greedy identity with a (random) DFlash drafter run over the static context cache; at every
+    draft call its context holds exactly the target features of positions [0, root position),
+    and its logits equal the one-sequence DFlashDraftModel.draft_logits on the same context."""
     dm = dflash_for(target)
-    drafter = DFlashDrafter(dm, target)
+    gen = SpeculativeGenerator(target, DFlashDrafter(dm, target))
+    drafter = gen.drafter
     seen = []
-    real_draft = drafter.draft
+    real_draft = drafter.draft_rows
 
-    def checked(committed, feats, depth):
-        out = real_draft(committed, feats, depth)
-        seen.append((drafter.cache.length, committed.shape[1] - 1, committed.clone()))
+    def checked(rows, roots, root_pos, tokens, depth, max_root_pos):
+        out = real_draft(rows, roots, root_pos, tokens, depth, max_root_pos)
+        seen.append((int(root_pos[0]), roots[0].item(), out.clone(), depth))
         return out
 
-    drafter.draft = checked
-    gen = SpeculativeGenerator(target, drafter)
+    drafter.draft_rows = checked
     res = gen.generate(PROMPTS[1], method="tev", budget=16, max_new_tokens=60, ignore_eos=True)
     assert res.token_ids == plain_greedy(target, PROMPTS[1], 60)
-    assert all(length == root_pos for length, root_pos, _ in seen)
-    # the cached context K/V equal those projected from a plain forward's features
-    _, root_pos, committed = seen[-1]
+    root_pos, root, logits, depth = seen[-1]
+    committed = torch.tensor((PROMPTS[1] + res.token_ids)[: root_pos + 1])
+    assert int(committed[-1]) == root
     with torch.no_grad():
-        hs = target(committed[:, :root_pos], output_hidden_states=True).hidden_states
+        hs = target(committed[None, :root_pos], output_hidden_states=True).hidden_states
         feats = dm.extract_context_features(hs)
         want = dm._project_context(feats, torch.arange(root_pos), 1)
-    k_got, v_got = drafter.cache.layer(0)
-    torch.testing.assert_close(k_got[:, :, :root_pos], want[0][0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(v_got[:, :, :root_pos], want[0][1], rtol=1e-4, atol=1e-5)
+        cache = dm.new_cache()
+        ref_logits = dm.draft_logits(target.get_input_embeddings(), target.get_output_embeddings(), committed[-1:],
+                                     root_pos, feats, cache, block_size=depth + 1)
+    for layer in range(len(dm.layers)):
+        k_got, v_got = drafter.context_kv(0, root_pos, layer)
+        torch.testing.assert_close(k_got, want[layer][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v_got, want[layer][1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_stop_tokens_and_max_new_tokens(target):

@@ -7,10 +7,15 @@ next rank) and its first child (next depth, rank 0), until ``budget`` non-root n
 Heap ties are broken by the rank tuple, lexicographically (a prefix before its extensions).
 
 Because a pushed prefix never beats the one just popped, the pop order is the sort of all
-prefixes by ``(score desc, rank tuple asc)`` and the tree is the top-``budget`` prefixes. The
-batched builder below finds that set level by level without a heap: at depth d it appends the
-k children of every kept depth-(d-1) node and keeps the best ``budget`` of kept + new. Lists are
-held in rank-tuple (pre-)order, so a stable sort by score reproduces the heap's tie-break.
+prefixes by ``(score desc, rank tuple asc)`` and the tree is the top-``budget`` prefixes. Two
+implementations give identical trees: on the host, the heap itself (per tree, with the depth and
+ancestor rows filled as nodes pop: the cheapest on CPU); on an accelerator, a level-wise search
+without a heap (at depth d append the k children of every kept depth-(d-1) node and keep the best
+``budget`` of kept + new; lists are held in rank-tuple preorder, so a stable sort by score
+reproduces the heap's tie-break) in H static rounds with no host sync.
+
+Options used by the runtime: a per-tree depth limit (tokens left, position limit) and leaf tokens
+(stop tokens get no children: nothing below a stop is ever emitted, so no budget is spent there).
 
 Per depth, ties between equal log-probabilities rank the lower token id first. Scores are
 accumulated in float64 from float32 log-probabilities.
@@ -64,8 +69,12 @@ def build_ddtree_topk(
     budget: int,
     root_tokens: torch.Tensor,
     validate: bool = True,
+    *,
+    depth_limit: torch.Tensor | None = None,
+    leaf_tokens: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> DraftTree:
-    """Best-first DDTree from per-depth top-k lists (batched, no Python heap).
+    """Best-first DDTree from per-depth top-k lists (batched).
 
     Args:
         topk_logprobs: float [b, H, k], log q_d of the listed tokens, normalised over the full
@@ -74,17 +83,24 @@ def build_ddtree_topk(
         budget: int >= 0, the number of non-root nodes (B).
         root_tokens: int64 [b], the root (last committed) token of each tree.
         validate: check arguments (host syncs).
+        depth_limit: optional int64 [b], the deepest depth each tree may reach (<= H); the
+            runtime caps it by the tokens left and the position limit. None = H.
+        leaf_tokens: optional int64 [b, S], token ids that get no children (stop tokens: a
+            continuation below one is never emitted); -1 entries are unused. None = none.
+        impl: ``"heap"`` (a host heap per tree, the reference's own algorithm: cheapest on CPU),
+            ``"levels"`` (H static rounds over b x budget x (1 + k) candidates, no host loop
+            that depends on the data and no host sync: the GPU path) or ``"auto"`` (heap on
+            CPU, levels elsewhere). Both give identical trees.
 
     Returns:
         :class:`DraftTree` with N = 1 + budget nodes in pop order (parents precede children,
-        scores non-increasing); trees with fewer than ``budget`` reachable prefixes (k^1 + ... +
-        k^H < budget) are padded. Depth <= H.
+        scores non-increasing); trees with fewer than ``budget`` reachable prefixes are padded.
+        Depth <= min(H, depth_limit). ``max_depth`` is exact on CPU; on other devices it is the
+        static bound min(H, budget) (no host sync; deeper loops only do no-op rounds).
 
     Raises:
         ValueError naming the argument: budget not an int >= 0; wrong shapes, dtypes or devices;
-        NaN or +inf log-probabilities.
-
-    Cost: H rounds over b x budget x (1 + k) candidates (two stable sorts each).
+        NaN or +inf log-probabilities; unknown ``impl``.
     """
     if validate:
         budget = _check_budget(budget)
@@ -97,16 +113,96 @@ def build_ddtree_topk(
         _check_roots(root_tokens, topk_logprobs.shape[0], topk_logprobs.device)
         if bool((torch.isnan(topk_logprobs) | (topk_logprobs == float("inf"))).any()):
             raise ValueError("topk_logprobs contains NaN or +inf")
+        b0 = topk_logprobs.shape[0]
+        if depth_limit is not None and (not isinstance(depth_limit, torch.Tensor) or depth_limit.dtype != torch.int64
+                                        or tuple(depth_limit.shape) != (b0,)):
+            raise ValueError(f"depth_limit must be an int64 tensor [{b0}]")
+        if leaf_tokens is not None and (not isinstance(leaf_tokens, torch.Tensor) or leaf_tokens.dtype != torch.int64
+                                        or leaf_tokens.dim() != 2 or leaf_tokens.shape[0] != b0):
+            raise ValueError(f"leaf_tokens must be an int64 tensor [{b0}, S]")
+    if impl not in ("auto", "heap", "levels"):
+        raise ValueError(f"impl must be 'auto', 'heap' or 'levels', got {impl!r}")
     b, H, k = topk_logprobs.shape
-    dev = topk_logprobs.device
     if budget == 0 or H == 0 or k == 0:
         tree = _root_only(root_tokens)
         if budget == 0:
             return tree
         return _pad_tree(tree, budget)
     lq, ids = _canonical_order(topk_logprobs.to(torch.float32).to(torch.float64), topk_ids)
+    if impl == "heap" or (impl == "auto" and lq.device.type == "cpu"):
+        return _build_heap(lq, ids, budget, root_tokens, depth_limit, leaf_tokens)
+    return _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens)
+
+
+def _is_leaf_token(tok: torch.Tensor, leaf_tokens: torch.Tensor | None) -> torch.Tensor:
+    """bool, shape of ``tok`` [b, ...]: the token is one of its tree's leaf tokens."""
+    if leaf_tokens is None or leaf_tokens.shape[1] == 0:
+        return torch.zeros_like(tok, dtype=torch.bool)
+    lt = leaf_tokens.view(leaf_tokens.shape[0], *([1] * (tok.dim() - 1)), leaf_tokens.shape[1])
+    return (tok.unsqueeze(-1) == lt).any(-1)
+
+
+def _build_heap(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
+    """One heap per tree on the host, as the DDTree reference (``build_ddtree_tree``): pop the best
+    prefix, push its next sibling and its first child. Ties are broken by the rank tuple; a
+    sibling's score is its parent's score + log q (as :func:`build_ddtree_reference`)."""
+    import numpy as np
+
+    b, H, k = lq.shape
+    n = 1 + budget
+    dev = lq.device
+    lq_l, ids_np = lq.cpu().tolist(), ids.cpu().numpy()
+    limits = [H] * b if depth_limit is None else [min(H, int(x)) for x in depth_limit.tolist()]
+    leaves = [set()] * b if leaf_tokens is None else [set(x for x in row if x >= 0) for row in leaf_tokens.tolist()]
+    parents = np.zeros((b, n), dtype=np.int64)
+    tokens = np.zeros((b, n), dtype=np.int64)
+    depth = np.ones((b, n), dtype=np.int64)
+    valid = np.zeros((b, n), dtype=np.bool_)
+    anc = np.zeros((b, n, n), dtype=np.bool_)
+    parents[:, 0], depth[:, 0], valid[:, 0] = -1, 0, True
+    anc[:, np.arange(n), np.arange(n)] = True
+    anc[:, 1:, 0] = True  # padded nodes see the root and themselves
+    tokens[:, 0] = root_tokens.cpu().numpy()
+    max_depth = 0
+    for r in range(b):
+        lim, leaf, lqr, idr = limits[r], leaves[r], lq_l[r], ids_np[r]
+        if lim < 1:
+            continue
+        # item: (-score, ranks, parent node, depth, rank, score, parent score)
+        heap = [(-lqr[0][0], (0,), 0, 1, 0, lqr[0][0], 0.0)]
+        cnt = 0
+        anc_r, par_r, tok_r, dep_r = anc[r], parents[r], tokens[r], depth[r]
+        while heap and cnt < budget:
+            _, ranks, par, d, rk, s, ps = heapq.heappop(heap)
+            cnt += 1
+            tok = int(idr[d - 1, rk])
+            par_r[cnt], tok_r[cnt], dep_r[cnt] = par, tok, d
+            anc_r[cnt, :cnt] = anc_r[par, :cnt]
+            if d > max_depth:
+                max_depth = d
+            if rk + 1 < k:
+                sib = ps + lqr[d - 1][rk + 1]
+                heapq.heappush(heap, (-sib, ranks[:-1] + (rk + 1,), par, d, rk + 1, sib, ps))
+            if d < lim and tok not in leaf:
+                ch = s + lqr[d][0]
+                heapq.heappush(heap, (-ch, ranks + (0,), cnt, d + 1, 0, ch, s))
+        valid[r, : cnt + 1] = True
+    t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
+    parents[:, 1:] = np.where(valid[:, 1:], parents[:, 1:], 0)
+    return DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth)
+
+
+def _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
+    """The heap's tree without a heap: because a pushed prefix never beats the one just popped,
+    the pop order is the sort of all prefixes by (score desc, rank tuple asc). Level by level,
+    append the k children of every kept depth-(d-1) node and keep the best ``budget`` of kept +
+    new; lists stay in rank-tuple preorder, so a stable sort by score is the heap's tie-break.
+    H static rounds, no host sync."""
+    b, H, k = lq.shape
+    dev = lq.device
     B = budget
     neg_inf = float("-inf")
+    limit = torch.full((b,), H, dtype=torch.int64, device=dev) if depth_limit is None else depth_limit.clamp(max=H)
 
     # Kept list (capacity B, rank-tuple preorder). Depth 1: the root's k children.
     m = min(B, k)
@@ -117,12 +213,14 @@ def build_ddtree_topk(
     parent = torch.full((b, B), -1, dtype=torch.int64, device=dev)
     # lists are sorted best first, so the first m ranks are the best m, already in preorder
     score[:, :m] = lq[:, 0, :m]
-    valid[:, :m] = True
+    valid[:, :m] = (limit >= 1).unsqueeze(1)
     rank[:, :m] = torch.arange(m, device=dev)
 
     slot_j = torch.arange(1 + k, device=dev)  # 0 = the kept node itself, j >= 1 = child rank j-1
+    old_idx = torch.arange(B, device=dev).view(1, B, 1).expand(b, B, 1 + k)
     for d in range(2, H + 1):
-        grow = valid & (depth == d - 1)  # [b, B]
+        tok = ids[:, d - 2, :].gather(1, rank)  # valid where depth == d - 1
+        grow = valid & (depth == d - 1) & (limit >= d).unsqueeze(1) & ~_is_leaf_token(tok, leaf_tokens)
         c_score = torch.empty(b, B, 1 + k, dtype=torch.float64, device=dev)
         c_score[:, :, 0] = score
         c_score[:, :, 1:] = score.unsqueeze(-1) + lq[:, d - 1, :].unsqueeze(1)
@@ -131,16 +229,12 @@ def build_ddtree_topk(
         c_valid[:, :, 1:] = grow.unsqueeze(-1)
         c_depth = torch.where(slot_j == 0, depth.unsqueeze(-1), torch.full_like(depth.unsqueeze(-1), d))
         c_rank = torch.where(slot_j == 0, rank.unsqueeze(-1), (slot_j - 1).expand(b, B, 1 + k))
-        old_idx = torch.arange(B, device=dev).view(1, B, 1).expand(b, B, 1 + k)
         c_parent = torch.where(slot_j == 0, parent.unsqueeze(-1), old_idx)  # parent as an OLD kept index
         flat = lambda x: x.reshape(b, B * (1 + k))  # noqa: E731
         c_score, c_valid, c_depth, c_rank, c_parent = map(flat, (c_score, c_valid, c_depth, c_rank, c_parent))
 
         # best B by (valid, score desc), ties by preorder position; then back to preorder
-        key = torch.where(c_valid, c_score, torch.full_like(c_score, neg_inf))
-        order = key.argsort(dim=1, descending=True, stable=True)
-        order = order.gather(1, (~c_valid).gather(1, order).to(torch.int8).argsort(dim=1, stable=True))
-        chosen = order[:, :B].sort(dim=1).values  # preorder positions of the new kept list
+        chosen = _best_stable(c_score, c_valid)[:, :B].sort(dim=1).values  # preorder positions of the new kept list
 
         new_of_cand = torch.full((b, B * (1 + k)), -1, dtype=torch.int64, device=dev)
         new_of_cand.scatter_(1, chosen, torch.arange(B, device=dev).expand(b, B).clone())
@@ -150,17 +244,35 @@ def build_ddtree_topk(
         parent = torch.where(par_old >= 0, new_of_old.gather(1, par_old.clamp(min=0)), par_old)
 
     # pop order: stable sort of the preorder list by (valid, score desc)
-    key = torch.where(valid, score, torch.full_like(score, neg_inf))
-    order = key.argsort(dim=1, descending=True, stable=True)
-    order = order.gather(1, (~valid).gather(1, order).to(torch.int8).argsort(dim=1, stable=True))
+    order = _best_stable(score, valid)
     pos_of_kept = torch.empty_like(order).scatter_(1, order, torch.arange(B, device=dev).expand(b, B).clone())
     valid_o, depth_o, rank_o, parent_o = (x.gather(1, order) for x in (valid, depth, rank, parent))
     parent_node = torch.where(parent_o >= 0, pos_of_kept.gather(1, parent_o.clamp(min=0)) + 1, torch.zeros_like(parent_o))
     tok = ids.gather(1, (depth_o - 1).clamp(min=0).unsqueeze(-1).expand(b, B, k)).gather(2, rank_o.unsqueeze(-1)).squeeze(-1)
-    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(valid_o, parent_node, 0)], 1)
+    ones = torch.ones(b, 1, dtype=torch.int64, device=dev)
+    parents = torch.cat([-ones, torch.where(valid_o, parent_node, 0)], 1)
     tokens = torch.cat([root_tokens.view(b, 1), torch.where(valid_o, tok, 0)], 1)
-    valid_all = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), valid_o], 1)
-    return DraftTree.from_parents(parents, tokens, valid_all, validate=False)
+    valid_all = torch.cat([ones.bool(), valid_o], 1)
+    depth_all = torch.cat([ones - 1, torch.where(valid_o, depth_o, 1)], 1)
+    # ancestor mask: walk up min(H, B) static steps (parents precede children, so no cycles)
+    n = 1 + B
+    par = parents.clamp(min=0)
+    anc = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
+    cur = torch.arange(n, device=dev).expand(b, n).clone()
+    anc.scatter_(2, cur.unsqueeze(-1), True)
+    for _ in range(min(H, B)):
+        cur = torch.gather(par, 1, cur)
+        anc.scatter_(2, cur.unsqueeze(-1), True)
+    max_depth = int(depth_all.masked_fill(~valid_all, 0).max()) if dev.type == "cpu" else min(H, B)
+    return DraftTree(parents, tokens, valid_all, depth_all, anc, max_depth)
+
+
+def _best_stable(score: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """int64, shape of ``score`` [b, M]: positions sorted by (valid first, score desc), ties by
+    position (two stable sorts; a valid -inf score still precedes an invalid slot)."""
+    key = torch.where(valid, score, torch.full_like(score, float("-inf")))
+    order = key.argsort(dim=1, descending=True, stable=True)
+    return order.gather(1, (~valid).gather(1, order).to(torch.int8).argsort(dim=1, stable=True))
 
 
 def _pad_tree(tree: DraftTree, budget: int) -> DraftTree:
@@ -188,7 +300,9 @@ def draft_topk(draft_logits: torch.Tensor, k: int):
     return vals, ids
 
 
-def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, validate: bool = True) -> DraftTree:
+def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, validate: bool = True, *,
+                 depth_limit: torch.Tensor | None = None, leaf_tokens: torch.Tensor | None = None,
+                 impl: str = "auto") -> DraftTree:
     """Best-first DDTree from full draft logits (wrapper over :func:`build_ddtree_topk`).
 
     Args:
@@ -197,6 +311,7 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Ten
         budget: int >= 0, non-root nodes; the per-depth list width is k = min(budget, V).
         root_tokens: int64 [b].
         validate: check arguments (host syncs).
+        depth_limit, leaf_tokens, impl: as :func:`build_ddtree_topk`.
     Returns:
         :class:`DraftTree` with N = 1 + budget.
     Raises:
@@ -216,10 +331,12 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Ten
         return _root_only(root_tokens)
     k = min(budget, draft_logits.shape[-1])
     vals, ids = draft_topk(draft_logits, k)
-    return build_ddtree_topk(vals, ids, budget, root_tokens, validate=False)
+    return build_ddtree_topk(vals, ids, budget, root_tokens, validate=False, depth_limit=depth_limit,
+                             leaf_tokens=leaf_tokens, impl=impl)
 
 
-def build_ddtree_reference(topk_logprobs, topk_ids, budget: int, root_token: int, upstream_arithmetic: bool = False):
+def build_ddtree_reference(topk_logprobs, topk_ids, budget: int, root_token: int, upstream_arithmetic: bool = False,
+                           depth_limit: int | None = None, leaf_tokens=()):
     """Heap reference for ONE tree (tests only), following the DDTree reference loop.
 
     Args:
@@ -227,6 +344,7 @@ def build_ddtree_reference(topk_logprobs, topk_ids, budget: int, root_token: int
         budget: non-root nodes. root_token: int.
         upstream_arithmetic: compute a sibling's score as ``logw - lq[r] + lq[r + 1]`` as the
             reference code does, instead of ``parent score + lq[r + 1]``.
+        depth_limit: deepest depth (None = H). leaf_tokens: ids that get no children.
     Returns:
         (parents list[int] of length 1 + n, tokens list[int] of length 1 + n), n <= budget.
     """
@@ -236,8 +354,10 @@ def build_ddtree_reference(topk_logprobs, topk_ids, budget: int, root_token: int
     lq, ids = lq[0].tolist(), ids[0].tolist()
     H = len(lq)
     k = len(lq[0]) if H else 0
+    limit = H if depth_limit is None else min(H, depth_limit)
+    leaf = set(int(t) for t in leaf_tokens)
     parents, tokens = [-1], [int(root_token)]
-    if budget <= 0 or H == 0 or k == 0:
+    if budget <= 0 or limit <= 0 or k == 0:
         return parents, tokens
     # item: (-score, ranks, parent_node, depth, rank, score, parent_score)
     heap = [(-lq[0][0], (0,), 0, 1, 0, lq[0][0], 0.0)]
@@ -249,7 +369,7 @@ def build_ddtree_reference(topk_logprobs, topk_ids, budget: int, root_token: int
         if r + 1 < k:
             sib = s - lq[d - 1][r] + lq[d - 1][r + 1] if upstream_arithmetic else ps + lq[d - 1][r + 1]
             heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), par, d, r + 1, sib, ps))
-        if d < H:
+        if d < limit and tokens[-1] not in leaf:
             ch = s + lq[d][0]
             heapq.heappush(heap, (-ch, ranks + (0,), node, d + 1, 0, ch, s))
     return parents, tokens

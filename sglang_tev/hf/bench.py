@@ -335,6 +335,7 @@ def run_bench(
     command: str | None = None,
     meta: dict | None = None,
     log: Callable[[str], None] = _stderr,
+    batch_sizes: Sequence[int] | None = None,
 ) -> list[dict]:
     """Run every (method, budget, temperature) configuration over ``prompts``.
 
@@ -359,6 +360,11 @@ def run_bench(
         progress: a tqdm bar over (configuration x prompt) on stderr.
         command: the command line recorded in meta.json.
         meta: extra keys for meta.json.
+        batch_sizes: also decode all prompts batched (``generate`` with a list, ``batch_size`` = each
+            size) for every configuration; each record gains ``batch``: a list of {batch_size,
+            tokens_per_s (all new tokens / wall seconds of the batched call, prefill included),
+            overhead_ms_per_row_round (build + verify + commit per round / rows in it), tau_per_row,
+            wall_s}; plot ``batch_tokens_per_s.png``.
 
     Returns:
         The records of results.json (keys :data:`RECORD_KEYS`), in run order (:func:`bench_configs`).
@@ -378,6 +384,10 @@ def run_bench(
     if out_dir is not None and not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
         raise ValueError(f"output_dir: {out_dir} exists and is not empty (results of an earlier run?); "
                          "choose another or pass overwrite=True")
+    if batch_sizes is not None:
+        batch_sizes = list(dict.fromkeys(batch_sizes))
+        if not batch_sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in batch_sizes):
+            raise ValueError(f"batch_sizes must be ints >= 1, got {batch_sizes!r}")
     kept, skipped = _encode_all(generator, prompts, chat_template, log)
     if not kept:
         raise ValueError(f"prompts: none of the {len(prompts)} prompts fits the model's {generator.max_positions} positions")
@@ -403,6 +413,7 @@ def run_bench(
     records: list[dict] = []
     emitted: dict = {}
     rates: dict = {}
+    generator.time_stages = True  # a CUDA synchronise per stage, so stage_ms adds up to the round
     outputs_f = open(out_dir / "outputs.jsonl", "w", encoding="utf-8") if out_dir is not None else None
     bar = tqdm(total=len(configs) * len(kept) * repeats, desc="bench", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
@@ -431,6 +442,9 @@ def run_bench(
             records.append(_record(method, budget, T, runs, times, skipped))
             rates[(method, budget, T)] = _prompt_rates(runs, times)
             emitted[(method, budget, T)] = [r.emitted for res in runs for r in res.rounds]
+            if batch_sizes:
+                records[-1]["batch"] = [_batched(generator, method, budget, T, kept, seed, max_new_tokens, ignore_eos, bs)
+                                        for bs in batch_sizes]
     finally:
         bar.close()
         if outputs_f is not None:
@@ -442,4 +456,48 @@ def run_bench(
         if plots:
             plot_tau_hist(records, emitted, out_dir / "tau_hist.png")
             plot_stage_ms(records, out_dir / "stage_ms.png")
+            if batch_sizes:
+                plot_batch(records, out_dir / "batch_tokens_per_s.png")
     return records
+
+
+def _batched(generator, method, budget, T, kept, seed, max_new_tokens, ignore_eos, batch_size) -> dict:
+    """All prompts in one batched call at ``batch_size`` rows: throughput over the batch, the
+    non-forward overhead per row per round, and each row's tau."""
+    import time as _time
+
+    t0 = _time.perf_counter()
+    res = generator.generate(
+        [ids for _, _, ids in kept], method=method, budget=64 if budget is None else budget,
+        sampling=SamplingParams(temperature=T), seed=[seed + i for i, _, _ in kept], max_new_tokens=max_new_tokens,
+        ignore_eos=ignore_eos, verifier="tev", batch_size=batch_size)
+    wall = _time.perf_counter() - t0
+    toks = sum(len(r.token_ids) for r in res)
+    row_rounds = sum(len(r.rounds) for r in res)
+    overhead = sum((x.stage_ms.get("build", 0.0) + x.stage_ms.get("verify", 0.0) + x.stage_ms.get("commit", 0.0)) / x.batch_rows
+                   for r in res for x in r.rounds)
+    return {"batch_size": batch_size, "tokens_per_s": toks / wall, "wall_s": wall, "new_tokens": toks,
+            "overhead_ms_per_row_round": overhead / max(row_rounds, 1), "tau_per_row": [r.tau for r in res]}
+
+
+def plot_batch(records: Sequence[dict], path: str | os.PathLike) -> None:
+    """Tokens/s over the batch against the batch size, one line per (method, budget, T)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in records:
+        if not r.get("batch"):
+            continue
+        xs = [b["batch_size"] for b in r["batch"]]
+        ax.plot(xs, [b["tokens_per_s"] for b in r["batch"]], marker="o",
+                label=f"{_label(r['method'], r['budget'])} T={r['temperature']:g}")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s over the batch")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

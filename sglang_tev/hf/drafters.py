@@ -1,8 +1,15 @@
 """Drafters the transformers runtime can call.
 
-A drafter maps the committed context to per-depth draft logits ``[1, H, V]`` for the next round
-(DESIGN §5). The runtime calls :meth:`Drafter.draft` once per round with the round's root token and
-the target features of the tokens committed since the last call; it never looks inside.
+A drafter maps the committed context to per-depth draft logits for the next round (DESIGN §5).
+Two interfaces:
+
+* :class:`BatchDrafter` — what the batched runtime drives: slots (rows) with their own lengths,
+  context features written at their positions, one draft call per round for all active rows.
+  :class:`~sglang_tev.hf.dflash_runner.StaticDFlashDrafter` (the DFlash drafter over a static
+  context cache) and :class:`OracleDrafter` implement it.
+* :class:`Drafter` — one sequence at a time (``draft(committed, new_features, depth)``), kept for
+  simple custom drafters; the runtime wraps it (:class:`SequenceDrafterAdapter`) and then runs
+  batch size 1 only.
 """
 
 from __future__ import annotations
@@ -13,7 +20,44 @@ import torch
 
 from ..draft.dflash import DFlashDraftModel
 
-__all__ = ["Drafter", "DFlashDrafter", "OracleDrafter"]
+__all__ = ["Drafter", "BatchDrafter", "DFlashDrafter", "OracleDrafter", "SequenceDrafterAdapter"]
+
+
+class BatchDrafter(Protocol):
+    """The batched runtime's drafter interface (rows = slots of the static batch).
+
+    Attributes:
+        block_size: K; a round drafts at most K - 1 depths.
+        target_layer_ids: target layers whose outputs (HF ``hidden_states[id + 1]``) the drafter
+            reads as context features, or None when it needs none.
+        max_rows: largest batch it serves (None = any).
+        reads_tokens: optional, default True; False when ``draft_rows`` never reads ``tokens``
+            (the runtime then does not keep that buffer up to date).
+    """
+
+    block_size: int
+    target_layer_ids: Sequence[int] | None
+    max_rows: int | None
+
+    def start(self, rows: int, max_len: int, device) -> None:
+        """A new generation call: ``rows`` slots of up to ``max_len`` positions each."""
+
+    def add_context(self, rows: slice, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Target features float [b, T, F] of committed tokens at int64 ``positions`` [b, T] (slots
+        past a row's context may be padding; they are overwritten before they are ever read)."""
+
+    def draft_rows(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, tokens: torch.Tensor,
+                   depth: int, max_root_pos: int) -> torch.Tensor:
+        """Draft logits float [b, H = depth, V]; row r's context is positions ``[0, root_pos[r])``.
+
+        Args:
+            roots: int64 [b], the root tokens; root_pos: int64 [b], their positions.
+            tokens: int64 [b, max_len], committed tokens (row r valid on ``[0, root_pos[r]]``).
+            max_root_pos: ``max(root_pos)`` on the host.
+        """
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Row ``src``'s first ``length`` context positions become row ``dst``'s."""
 
 
 class Drafter(Protocol):
@@ -90,6 +134,7 @@ class OracleDrafter:
     """
 
     target_layer_ids = None
+    max_rows = None
 
     def __init__(self, target, vocab_size: int, accuracy: float = 0.9, block_size: int = 8, seed: int = 0) -> None:
         if not 0.0 <= accuracy <= 1.0:
@@ -123,3 +168,59 @@ class OracleDrafter:
             out[0, d] = noise * 4.0
             seq = torch.cat([seq, torch.tensor([[guess]], device=dev)], 1)
         return out.to(dev)
+
+    # ------------------------------------------------------------ BatchDrafter
+    def start(self, rows: int, max_len: int, device) -> None:
+        self.reset()
+
+    def add_context(self, rows, features, positions) -> None:  # pragma: no cover - needs no features
+        pass
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        pass
+
+    @torch.inference_mode()
+    def draft_rows(self, rows, roots, root_pos, tokens, depth, max_root_pos) -> torch.Tensor:
+        pos = root_pos.tolist()
+        return torch.cat([self.draft(tokens[r: r + 1, : p + 1], None, depth) for r, p in enumerate(pos)], 0)
+
+
+class SequenceDrafterAdapter:
+    """Runs a one-sequence :class:`Drafter` under the batched runtime (batch size 1 only): the
+    target features of each committed stretch are kept until the next draft call."""
+
+    max_rows = 1
+
+    def __init__(self, drafter) -> None:
+        self.inner = drafter
+        self.block_size = drafter.block_size
+        self.target_layer_ids = getattr(drafter, "target_layer_ids", None)
+        self._pending: list[torch.Tensor] = []
+        self._fed = 0
+
+    def start(self, rows: int, max_len: int, device) -> None:
+        self.inner.reset()
+        self._pending, self._fed = [], 0
+
+    def add_context(self, rows, features, positions) -> None:
+        self._pending.append((features, positions))
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        raise RuntimeError("a one-sequence drafter holds one row")
+
+    def draft_rows(self, rows, roots, root_pos, tokens, depth, max_root_pos) -> torch.Tensor:
+        feats = None
+        if self._pending:  # keep the positions [fed, root_pos): padded slots past them are dropped
+            got = torch.cat([f for f, _ in self._pending], 1)
+            pos = torch.cat([p for _, p in self._pending], 1)[0]
+            keep = (pos >= self._fed) & (pos < max_root_pos)
+            order = pos[keep].argsort(stable=True)
+            feats = got[:, keep][:, order]
+            # later writes to a position win, as in a cache
+            p = pos[keep][order]
+            last = torch.ones_like(p, dtype=torch.bool)
+            last[:-1] = p[1:] != p[:-1]
+            feats = feats[:, last]
+            self._pending = []
+        self._fed = max_root_pos
+        return self.inner.draft(tokens[:, : max_root_pos + 1], feats, depth)

@@ -1,0 +1,184 @@
+"""The batched runtime: ragged rows, per-row settings, refilled slots, exact per-row laws."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from exact_law import chi_square_pvalue
+from test_hf_runtime import V, dflash_for, plain_greedy, qwen3
+
+from sglang_tev import SamplingParams, processed_probs
+from sglang_tev.hf.drafters import DFlashDrafter, OracleDrafter
+from sglang_tev.hf.runtime import Request, SpeculativeGenerator
+
+RAGGED = [[3, 17, 29, 41, 5], [60, 2, 2, 9, 33, 71, 80, 14, 1, 44, 12], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return qwen3(0)
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "dflash"])
+def test_greedy_batch_equals_batch_one_and_plain(target, drafter):
+    """Ragged prompts with their own max_new_tokens, decoded 4 at a time and 2 at a time (finished
+    rows' slots refilled), give every row exactly its batch-1 output and plain greedy decoding."""
+    d = OracleDrafter(target, V, accuracy=0.85, block_size=8, seed=1) if drafter == "oracle" else DFlashDrafter(dflash_for(target), target)
+    gen = SpeculativeGenerator(target, d)
+    maxes = [60, 25, 80, 40]
+    refs = [plain_greedy(target, p, m) for p, m in zip(RAGGED, maxes)]
+    for method in ["tev", "chain", "autoregressive"]:
+        for bs in [None, 2]:
+            res = gen.generate(RAGGED, method=method, budget=16, max_new_tokens=maxes, ignore_eos=True, batch_size=bs)
+            assert [r.token_ids for r in res] == refs, (method, bs)
+            assert all(r.finish_reason == "length" for r in res)
+            if method != "autoregressive" and drafter == "oracle":
+                assert np.mean([x.accept_len for r in res for x in r.rounds]) >= 1.5
+    one = gen.generate(RAGGED[1], method="tev", budget=16, max_new_tokens=25, ignore_eos=True)
+    assert one.token_ids == refs[1]
+    if drafter == "dflash":  # full blocks always: a row's trees, hence its rounds, do not depend on the batch
+        batch = gen.generate(RAGGED, method="tev", budget=16, max_new_tokens=maxes, ignore_eos=True)
+        for p, m, r in zip(RAGGED, maxes, batch):
+            alone = gen.generate(p, method="tev", budget=16, max_new_tokens=m, ignore_eos=True)
+            assert [x.emitted for x in r.rounds] == [x.emitted for x in alone.rounds]
+
+
+def test_finished_rows_stop_costing_and_stops_per_row(target):
+    """A row that stops early leaves the batch (later rounds have fewer rows); per-row stop tokens;
+    results in input order."""
+    gen = SpeculativeGenerator(target, OracleDrafter(target, V, accuracy=0.9, block_size=8, seed=2))
+    refs = [plain_greedy(target, p, 60) for p in RAGGED]
+    stop = refs[2][10]
+    reqs = [Request(p, max_new_tokens=60, ignore_eos=True, stop_token_ids=[stop] if i == 2 else None)
+            for i, p in enumerate(RAGGED)]
+    res = gen.generate_batch(reqs, method="tev", budget=8)
+    cut = refs[2].index(stop) + 1
+    assert res[2].token_ids == refs[2][:cut] and res[2].finish_reason == "stop"
+    for i in (0, 1, 3):
+        assert res[i].token_ids == refs[i]
+    rows_seen = [r.batch_rows for r in res[0].rounds]
+    assert rows_seen[0] == 4 and min(rows_seen) == 3  # row 2 left the batch
+    # the stop token is never expanded by the builder: count it among the last emitted only
+    assert res[2].token_ids.count(stop) == 1
+
+
+def test_streams_carry_the_prompt_index(target):
+    gen = SpeculativeGenerator(target, OracleDrafter(target, V, accuracy=0.9, block_size=6, seed=3))
+    got: dict[int, list[int]] = {}
+    res = gen.generate(RAGGED[:3], budget=8, max_new_tokens=[9, 14, 5], ignore_eos=True,
+                       stream=lambda i, ids: got.setdefault(i, []).extend(ids))
+    assert [got[i] for i in range(3)] == [r.token_ids for r in res]
+
+
+class BatchFixedDrafter:
+    """Fixed seeded draft logits for every row (BatchDrafter interface), cheap."""
+
+    target_layer_ids = None
+    max_rows = None
+
+    def __init__(self, vocab, block_size, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(1, block_size - 1, vocab, generator=g) * 2
+        self.block_size = block_size
+
+    def start(self, rows, max_len, device):
+        pass
+
+    def add_context(self, rows, features, positions):
+        pass
+
+    def move_row(self, src, dst, length):
+        pass
+
+    def draft_rows(self, rows, roots, root_pos, tokens, depth, max_root_pos):
+        return self.logits[:, :depth].expand(roots.shape[0], depth, -1)
+
+
+def exact_two_token_law(tgt, prompt, sampling, vocab):
+    with torch.no_grad():
+        p1 = processed_probs(tgt(torch.tensor([prompt])).logits[:, -1].double(), sampling)[0]
+        seqs = torch.tensor([prompt + [a] for a in range(vocab)])
+        p2 = processed_probs(tgt(seqs).logits[:, -1].double(), sampling)
+    return (p1[:, None] * p2).numpy()
+
+
+@pytest.mark.parametrize("method", ["tev", "sequential"])
+def test_sampled_law_per_row_with_different_params_in_one_batch(method):
+    """Rows with different temperatures / truncations and prompts of different lengths share each
+    batch; each group's first two tokens follow its own exact law (chi-square, alpha 1e-6), and
+    a greedy row in the same batches is always the argmax continuation."""
+    vocab = 8
+    tgt = qwen3(7, vocab=vocab, layers=1)
+    groups = [([1, 5, 2], SamplingParams(temperature=1.0, top_k=5, top_p=0.9)),
+              ([4, 4, 0, 6, 3], SamplingParams(temperature=0.7)),
+              ([2, 3], SamplingParams(temperature=0.0))]
+    exact = [exact_two_token_law(tgt, p, s, vocab) for p, s in groups[:2]]
+    greedy_ref = plain_greedy(tgt, groups[2][0], 2)
+    gen = SpeculativeGenerator(tgt, BatchFixedDrafter(vocab, 4, seed=2))
+    counts = [np.zeros((vocab, vocab)) for _ in range(2)]
+    per_call, calls = 40, 75
+    accepted = 0
+    for c in range(calls):
+        reqs = [Request(groups[i % 3][0], groups[i % 3][1], seed=c * per_call + i, max_new_tokens=2, ignore_eos=True)
+                for i in range(per_call)]
+        res = gen.generate_batch(reqs, method=method, budget=6)
+        for i, r in enumerate(res):
+            if i % 3 == 2:
+                assert r.token_ids == greedy_ref
+            else:
+                counts[i % 3][r.token_ids[0], r.token_ids[1]] += 1
+                accepted += r.rounds[0].accept_len
+    assert accepted / (2 * calls * per_call / 3) > 0.3  # the trees, not only bonus tokens, made the samples
+    for cnt, ex in zip(counts, exact):
+        assert chi_square_pvalue(cnt, ex) > 1e-6
+
+
+def test_seeded_row_does_not_depend_on_its_neighbours(target):
+    """A sampled row's tokens depend on its own seed only (and its tree, which here depends on
+    nothing else): alone or beside other rows with other settings, the same."""
+    gen = SpeculativeGenerator(target, BatchFixedDrafter(V, 6, seed=4))
+    sp = SamplingParams(temperature=0.9, top_p=0.95)
+    alone = gen.generate(RAGGED[0], budget=8, sampling=sp, seed=11, max_new_tokens=30, ignore_eos=True).token_ids
+    res = gen.generate_batch([Request(RAGGED[1], sp, 5, 30, ignore_eos=True), Request(RAGGED[0], sp, 11, 30, ignore_eos=True),
+                              Request(RAGGED[2], None, 0, 30, ignore_eos=True)], method="tev", budget=8)
+    assert res[1].token_ids == alone
+
+
+def test_batch_bad_inputs(target):
+    gen = SpeculativeGenerator(target, OracleDrafter(target, V, block_size=4))
+    with pytest.raises(ValueError, match="max_new_tokens: 1 values for 2 prompts"):
+        gen.generate([[1, 2], [3]], max_new_tokens=[4])
+    with pytest.raises(ValueError, match="batch_size"):
+        gen.generate([[1, 2], [3]], batch_size=0)
+    with pytest.raises(ValueError, match="prompt must hold"):
+        gen.generate([[1, 2], []])
+    with pytest.raises(ValueError, match="requests"):
+        gen.generate_batch([], method="tev")
+
+    class OneSeq:
+        block_size, target_layer_ids = 4, None
+
+        def reset(self):
+            pass
+
+        def draft(self, committed, feats, depth):
+            return torch.zeros(1, depth, V)
+
+    with pytest.raises(ValueError, match="batch_size"):
+        SpeculativeGenerator(target, OneSeq()).generate([[1, 2], [3]], budget=4)
+    # a one-sequence drafter still works at batch size 1
+    out = SpeculativeGenerator(target, OneSeq()).generate([[1, 2], [3]], budget=4, batch_size=1, max_new_tokens=5,
+                                                          ignore_eos=True)
+    assert [r.token_ids for r in out] == [plain_greedy(target, [1, 2], 5), plain_greedy(target, [3], 5)]
+
+
+def test_static_shapes_give_identical_greedy_output(target):
+    """The fixed-shape mode CUDA graphs capture (whole-cache attention, static slot buffers) runs
+    eagerly on CPU with the same tokens; cuda_graphs on a CPU target is refused naming it."""
+    gen = SpeculativeGenerator(target, OracleDrafter(target, V, accuracy=0.85, block_size=8, seed=1), static_shapes=True)
+    maxes = [30, 20, 40, 25]
+    res = gen.generate(RAGGED, budget=16, max_new_tokens=maxes, ignore_eos=True, batch_size=3)
+    assert [r.token_ids for r in res] == [plain_greedy(target, p, m) for p, m in zip(RAGGED, maxes)]
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        SpeculativeGenerator(target, cuda_graphs=True)
