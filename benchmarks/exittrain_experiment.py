@@ -39,11 +39,11 @@ ARMS = {  # name: (loss.exit.mode, lambda)
     "A": ("none", 0.0),
     "B": ("prefix", 10.0),
     "C": ("exit", 10.0),
-    "C-lam3": ("exit", 3.0),
     "C-lam30": ("exit", 30.0),
+    "C-lam100": ("exit", 100.0),
 }
 # (arm, seed); seed 0 of A/B/C is also benched at B = 32 / 128
-RUNS = [("A", 0), ("B", 0), ("C", 0), ("A", 1), ("B", 1), ("C", 1), ("C-lam3", 0), ("C-lam30", 0)]
+RUNS = [("A", 0), ("B", 0), ("C", 0), ("A", 1), ("B", 1), ("C", 1), ("C-lam30", 0), ("C-lam100", 0)]
 WIDE = {("A", 0), ("B", 0), ("C", 0)}
 
 
@@ -91,23 +91,24 @@ def bench_once(args, draft: Path, out: Path, budgets: str, log: Path) -> None:
     (out / "wall.json").write_text(json.dumps({"wall_s": round(wall, 1), "command": bench_cmd(args, draft, out, budgets)}))
 
 
-def job(args, arm: str | None, seed: int) -> None:
+def job(args, arm: str | None, seed: int, wide: bool = False) -> None:
+    """Train (when needed) and bench one run at B = 64, or (``wide``) bench it at B = 32 / 128."""
     name = "shipped" if arm is None else run_name(arm, seed)
     d = args.out / name
     d.mkdir(parents=True, exist_ok=True)
     log = d / "experiment.log"
-    if arm is None:
-        draft = ASSET / "draft"
-    else:
-        draft = d / "final"
+    draft = ASSET / "draft" if arm is None else d / "final"
+    if wide:
         if not (draft / "model.safetensors").exists():
+            raise SystemExit(f"{name}: not trained yet; rerun to bench it at B = 32 / 128")
+        bench_once(args, draft, d / "bench-b32-128", "32,128", log)
+    else:
+        if arm is not None and not (draft / "model.safetensors").exists():
             wall = run(train_cmd(args, arm, seed), log)
             (d / "train_wall.json").write_text(json.dumps({"wall_s": round(wall, 1), "seed": seed,
                                                            "command": train_cmd(args, arm, seed)}))
-    bench_once(args, draft, d / "bench-b64", "64", log)
-    if arm is None or (arm, seed) in WIDE:
-        bench_once(args, draft, d / "bench-b32-128", "32,128", log)
-    print(f"[exittrain] {name} done", file=sys.stderr, flush=True)
+        bench_once(args, draft, d / "bench-b64", "64", log)
+    print(f"[exittrain] {name} {'B=32/128' if wide else 'B=64'} done", file=sys.stderr, flush=True)
 
 
 def report(args) -> dict:
@@ -169,6 +170,46 @@ def report(args) -> dict:
     return out
 
 
+def markdown(rep: dict) -> str:
+    """The tables of docs/exittrain.md from :func:`report`."""
+    runs, summ = rep["runs"], rep["summary"]
+    out = ["| run | λ | τ B=64 T=0 | τ B=64 T=1 | train C_p (last 20 steps, T=1) | distill loss (last 20) |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in runs.items():
+        b = r["bench"]
+        arm = name.rsplit("-s", 1)[0]
+        lam = "-" if name == "shipped" else rep["arms"][arm]["lambda"]
+        cov = r.get("last20_coverage")
+        out.append(f"| {name} | {lam} | {b.get('B64-T0', {}).get('tau', float('nan')):.3f} | "
+                   f"{b.get('B64-T1', {}).get('tau', float('nan')):.3f} | "
+                   f"{'-' if cov is None else f'{cov:.3f}'} | {r.get('last20_loss_distill', float('nan')):.4f} |")
+    out += ["", "| arm | τ B=64 T=0 mean (min–max) | τ B=64 T=1 mean (min–max) | seeds |", "| --- | --- | --- | --- |"]
+    for arm in ("A", "B", "C"):
+        cells = []
+        for key in ("B64-T0", "B64-T1"):
+            x = summ.get(key, {}).get(arm)
+            cells.append("-" if x is None else f"{x['mean']:.3f} ({x['min']:.3f}–{x['max']:.3f})")
+        n = summ.get("B64-T0", {}).get(arm, {}).get("n", 0)
+        out.append(f"| {arm} | {cells[0]} | {cells[1]} | {n} |")
+    for other in ("A", "B"):
+        cells = [f"{summ.get(k, {}).get(f'C_over_{other}_pct', float('nan')):+.1f} %" for k in ("B64-T0", "B64-T1")]
+        out.append(f"| C vs {other} | {cells[0]} | {cells[1]} | |")
+    out += ["", "| run | τ B=32 T=0 | τ B=32 T=1 | τ B=128 T=0 | τ B=128 T=1 |", "| --- | --- | --- | --- | --- |"]
+    for name, r in runs.items():
+        b = r["bench"]
+        if "B32-T0" in b:
+            out.append(f"| {name} | " + " | ".join(f"{b.get(k, {}).get('tau', float('nan')):.3f}"
+                                                  for k in ("B32-T0", "B32-T1", "B128-T0", "B128-T1")) + " |")
+    out += ["", "| run | median step (ms) | draft | build | tree forward | backward | train wall (s) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in runs.items():
+        if "median_step_ms" in r:
+            out.append(f"| {name} | {r['median_step_ms']:.0f} | " + " | ".join(
+                f"{r.get('median_' + k, 0):.0f}" for k in ("ms_draft", "ms_build", "ms_tree_forward", "ms_backward"))
+                + f" | {r.get('train_wall_s', float('nan')):.0f} |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "exittrain")
@@ -181,6 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--runs", default=None, help="comma-separated subset, e.g. A-s0,C-s0,shipped")
     p.add_argument("--report", action="store_true", help="only collect results (JSON on stdout)")
+    p.add_argument("--markdown", action="store_true", help="with --report: the docs tables instead of JSON")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     settings = args.out / "settings.json"
@@ -188,7 +230,8 @@ def main(argv=None) -> int:
         for k, v in json.loads(settings.read_text()).items():
             setattr(args, k, v)
     if args.report:
-        print(json.dumps(report(args), indent=1))
+        rep = report(args)
+        print(markdown(rep) if args.markdown else json.dumps(rep, indent=1))
         return 0
     if not args.data.exists():
         p.error(f"--data: {args.data} is missing; run scripts/build_tiny_code.py --out runs/tiny-code --stages tokenizer")
@@ -198,12 +241,15 @@ def main(argv=None) -> int:
     if settings.exists() and json.loads(settings.read_text()) != mine:
         p.error(f"--out: {args.out} holds runs made with {settings.read_text().strip()}; use another --out")
     settings.write_text(json.dumps(mine) + "\n")
-    todo = RUNS[:6] + [(None, 0)] + RUNS[6:]  # the λ sweep last: it is optional
+    # the issue's must-haves first (every A/B/C run at B = 64, seed 0 at 32 / 128), then the
+    # starting drafter's own numbers, then the optional λ sweep
+    todo = [(a, s, False) for a, s in RUNS[:6]] + [(a, s, True) for a, s in RUNS if (a, s) in WIDE] \
+        + [(None, 0, False), (None, 0, True)] + [(a, s, False) for a, s in RUNS[6:]]
     if args.runs:
         want = set(args.runs.split(","))
-        todo = [(a, s) for a, s in todo if ("shipped" if a is None else run_name(a, s)) in want]
+        todo = [t for t in todo if ("shipped" if t[0] is None else run_name(t[0], t[1])) in want]
     with ThreadPoolExecutor(args.jobs) as ex:
-        for f in [ex.submit(job, args, a, s) for a, s in todo]:
+        for f in [ex.submit(job, args, *t) for t in todo]:
             f.result()
     return 0
 
