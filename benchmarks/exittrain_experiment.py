@@ -66,7 +66,7 @@ def bench_cmd(args, draft: Path, out: Path, budgets: str) -> list[str]:
     return [sys.executable, "-m", "sglang_tev.cli", "bench", "--target", str(ASSET / "target"),
             "--draft", str(draft), "--dataset", "humaneval", "--limit", str(args.limit),
             "--budgets", budgets, "--temperatures", "0,1", "--max-new-tokens", str(args.max_new_tokens),
-            "--methods", "tev", "--output", str(out), "--no-progress"]
+            "--methods", "tev", "--repeats", "1", "--output", str(out), "--no-progress"]  # tau needs no timing repeats
 
 
 def run(cmd: list[str], log: Path) -> float:
