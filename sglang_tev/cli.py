@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="generate text for one prompt (stdout: the new text only)",
+    g = sub.add_parser("generate", help="generate text for one prompt (stdout: the new text only) or a batch",
                        description="Generate with tree speculative decoding. stdout carries exactly the new "
                        "text; a summary line goes to stderr.", epilog=GENERATE_EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also generate for every prompt of FILE: a .jsonl file (one 'prompt' or 'messages' per "
                    "line, optional 'id'), 'humaneval', or a text file (one prompt per non-empty line); all prompts are decoded "
                    "as one batch (--batch-size rows at a time) and stdout gets one JSON line per prompt, in order")
-    g.add_argument("more_prompts", metavar="PROMPT ...", nargs="*",
+    g.add_argument("more_prompts", metavar="MORE", nargs="*",
                    help="more prompts: decoded as one batch; stdout then carries one JSON line per prompt, in input order")
     _add_model_args(g)
     g.add_argument("--budget", type=int, default=64, help="DDTree budget B, non-root nodes (default 64)")
@@ -358,6 +358,11 @@ def _check_generate_args(args) -> None:
         raise UsageError("PROMPT", "'-' (stdin) must be the only PROMPT")
     if args.budget < 0:
         raise UsageError("--budget", f"must be >= 0, got {args.budget}")
+    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+        raise UsageError("--repetition-penalty", f"must be a finite number > 0, got {args.repetition_penalty}")
+    for flag, v in (("--frequency-penalty", args.frequency_penalty), ("--presence-penalty", args.presence_penalty)):
+        if not -2.0 <= v <= 2.0:  # OpenAI / SGLang range (rejects NaN too)
+            raise UsageError(flag, f"must be in [-2, 2], got {v}")
     if args.budget > MAX_BUDGET:
         raise UsageError("--budget", f"must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) "
                                      f"candidates), got {args.budget}")

@@ -405,3 +405,14 @@ def test_cheap_checks_run_before_any_model_load(capsys, tmp_path, pair, no_model
     assert rc == 2 and out == "", err
     assert says in err and len(err.splitlines()) == 1, err
     assert "target: target:" not in err and "draft: draft:" not in err and "--target: target" not in err
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--repetition-penalty", "nan"], "--repetition-penalty"),
+    (["--presence-penalty", "nan"], "--presence-penalty"),
+    (["--frequency-penalty", "5"], "--frequency-penalty"),
+])
+def test_penalty_errors_name_their_flag(capsys, pair, args, flag):
+    rc, out, err = run_cli(capsys, pair, *args, "x")
+    assert rc == 2 and out == "" and f"argument {flag}:" in err and "PROMPT" not in err

@@ -431,3 +431,14 @@ def test_train_on_rollouts_end_to_end(tmp_path):
     res = train(cfg)
     assert res.complete and (tmp_path / "run" / "rollouts.jsonl").exists()
     assert res.last_log["anchors"] > 0 and "loss_exit" in res.last_log
+
+
+def test_data_without_a_trainable_block_is_refused(tiny, tmp_path):
+    """Documents shorter than a block: no step could train anything, so the run refuses to start
+    instead of logging loss 0 and exporting an unchanged drafter."""
+    import numpy as np
+    short = tmp_path / "short.npy"
+    np.save(short, np.array([10, 20, 0, 30, 40, 0] * 20, dtype=np.uint16))   # 2-token documents
+    with pytest.raises(ConfigError, match="trainable block") as e:
+        train(base_cfg(tiny, "short_docs", data=str(short), max_steps=1))
+    assert e.value.key == "data" and not (tiny / "short_docs" / "final").exists()

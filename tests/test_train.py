@@ -448,7 +448,7 @@ def test_config_required_keys_exit_mode_and_overrides(tiny, tmp_path):
     for mode in ("exit", "prefix"):
         cfg = load_config(base_cfg(tiny, "x"), [f"loss.exit.mode={mode}"])
         assert cfg.loss.exit.mode == mode and cfg.loss.exit.budget == 64 and cfg.loss.exit.lambda_ == 0.1
-    for bad, key in [("loss.exit.lambda=-0.1", "loss.exit.lambda"), ("loss.exit.budget=0", "loss.exit.budget"),
+    for bad, key in [("loss.exit.lambda=-0.1", "loss.exit.lambda"), ("loss.exit.budget=0", "loss.exit.budget"), ("loss.exit.budget=5000", "loss.exit.budget"),
                      ("loss.exit.mode=tree", "loss.exit.mode"), ("loss.exit.anchors_per_forward=0",
                                                                  "loss.exit.anchors_per_forward")]:
         with pytest.raises(ConfigError) as e:

@@ -103,7 +103,8 @@ class ExitLossConfig:
 
     mode: Literal["none", "exit", "prefix"] = _f("none")
     lambda_: float = _f(0.1, key="lambda", check=_ge(0.0))
-    budget: int = _f(64, check=_ge(1))
+    budget: int = _f(64, check=lambda v: None if 1 <= v <= 1024 else f"must be in [1, 1024] (the runtime's "
+                                                                     f"largest budget), got {v!r}")
     include_horizon_leaves: bool = _f(True)
     anchors_per_forward: int | None = _f(None, check=_ge(1))
 
