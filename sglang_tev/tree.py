@@ -425,7 +425,10 @@ def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype | Non
     b, n = tree.parents.shape
     ctx = torch.ones(b, n, past_len, dtype=torch.bool, device=tree.device)
     mask = torch.cat([ctx, tree.ancestor_mask], dim=2).unsqueeze(1)
-    if dtype is None:
-        return mask
-    out = torch.zeros(mask.shape, dtype=dtype, device=tree.device)
-    return out.masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask if dtype is None else additive_mask(mask, dtype)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask (True = attend) as HF's additive float mask of ``dtype``: 0 where
+    allowed, ``finfo(dtype).min`` where masked; same shape and device."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

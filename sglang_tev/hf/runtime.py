@@ -40,7 +40,7 @@ import torch
 
 from ..draft.ddtree import build_ddtree
 from ..sampling import SamplingParams
-from ..tree import DraftTree
+from ..tree import DraftTree, additive_mask
 from ..verify import METHODS as VERIFIERS
 from ..verify import num_uniforms, verify_tree
 from .controls import Controls, apply_controls, bad_nodes
@@ -814,7 +814,7 @@ class SpeculativeGenerator:
         if isinstance(m, dict):
             return {k: self._mask(v) for k, v in m.items()}
         dt = self.target.dtype if self.target.dtype.is_floating_point else torch.float32
-        return torch.zeros(m.shape, dtype=dt, device=m.device).masked_fill_(~m, torch.finfo(dt).min)
+        return additive_mask(m, dt)
 
     # ------------------------------------------------------------------ generation API
     @_quiet_cache_rename

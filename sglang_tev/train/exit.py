@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..draft.ddtree import build_ddtree
-from ..tree import DraftTree, ExitLaw, exit_law
+from ..tree import DraftTree, ExitLaw, additive_mask, exit_law
 
 __all__ = ["EXIT_MODES", "exit_weights", "weights_from_law", "anchor_trees", "take_trees",
            "tree_query_mask", "kv_reuse_forward", "iter_tree_logits", "score_trees",
@@ -233,9 +233,7 @@ def iter_tree_logits(
         anc = anchors[:, j0:j1]
         tokens = sub.tokens[:, 1:].reshape(b, m * (N - 1))
         positions = (anc[..., None] + sub.depth[:, 1:].reshape(b, m, N - 1)).reshape(b, m * (N - 1))
-        allowed = tree_query_mask(sub, anc, S)
-        mask = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(~allowed, torch.finfo(mask_dtype).min)
-        hidden = forward_rows(tokens, positions, mask)                                   # [b, m*(N-1), H]
+        hidden = forward_rows(tokens, positions, additive_mask(tree_query_mask(sub, anc, S), mask_dtype))                                   # [b, m*(N-1), H]
         logits = torch.cat([root_logits[:, j0:j1, None], lm_head(hidden).reshape(b, m, N - 1, -1)], 2)
         yield rows, sub, logits.reshape(b * m, N, -1)
 

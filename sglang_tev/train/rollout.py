@@ -34,10 +34,6 @@ __all__ = ["check_prompt_file", "read_prompts", "rollout_settings", "cache_path"
 KEY = "rollout.prompts"
 
 
-def _rows(path: Path):
-    return jsonl_rows(path, KEY)
-
-
 def _usable(row: Any, lineno: int, path: Path) -> bool:
     """Structural check of one prompt row; raises for a malformed row, False for an empty one."""
     if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
@@ -61,7 +57,7 @@ def check_prompt_file(path: str | os.PathLike) -> int:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{KEY}: no file at {os.fspath(p)!r}")
-    n = sum(_usable(row, lineno, p) for lineno, row in _rows(p))
+    n = sum(_usable(row, lineno, p) for lineno, row in jsonl_rows(p, KEY))
     if n == 0:
         raise ValueError(f"{KEY}: {os.fspath(p)!r} has no usable row (a non-empty 'prompt' or "
                          "'messages' with a user turn)")
@@ -79,7 +75,7 @@ def read_prompts(path: str | os.PathLike, tokenizer, chat_template: bool = True,
     check_prompt_file(p)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     out = []
-    for lineno, row in _rows(p):
+    for lineno, row in jsonl_rows(p, KEY):
         if not _usable(row, lineno, p):
             continue
         if "messages" in row:

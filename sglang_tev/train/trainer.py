@@ -758,8 +758,8 @@ class Trainer:
                **{f"ms_{k}": round(v * 1e3, 2) for k, v in times.items()}}
         if use_exit:
             c_sum, w_root, trees = stats[-3:].tolist()
-            rec.update(coverage=c_sum / trees if trees else 0.0, w_root=w_root / trees if trees else 0.0,
-                       est_tau=1.0 + (c_sum / trees if trees else 0.0))
+            coverage = c_sum / trees if trees else 0.0
+            rec.update(coverage=coverage, w_root=w_root / trees if trees else 0.0, est_tau=1.0 + coverage)
         return rec
 
     # -- loop ---------------------------------------------------------------------------------
