@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import DynamicCache
+from tiny_pair import plain_greedy
 
 from sglang_tev.cli import default_model_paths
-from sglang_tev.hf.runtime import SpeculativeGenerator, cache_kwargs
+from sglang_tev.hf.runtime import SpeculativeGenerator
 
 ASSETS = Path(__file__).resolve().parent.parent / "sglang_tev" / "assets" / "tiny-code"
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -35,18 +34,6 @@ def test_files_are_small_bf16_safetensors():
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = json.loads((ASSETS / "draft" / "config.json").read_text())
     assert cfg["block_size"] == 16 and cfg["architectures"] == ["DFlashDraftModel"]
-
-
-def plain_greedy(model, ids, n):
-    out = []
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        logits = model(torch.tensor([ids]), **cache_kwargs(model, cache)).logits[0, -1]
-        for _ in range(n):
-            t = int(logits.argmax())
-            out.append(t)
-            logits = model(torch.tensor([[t]]), **cache_kwargs(model, cache)).logits[0, -1]
-    return out
 
 
 def test_greedy_identical_to_plain_decoding(gen):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from exact_law import chi_square_pvalue
+from tiny_pair import plain_greedy
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from sglang_tev import SamplingParams, processed_probs
@@ -45,22 +46,6 @@ def dflash_for(target, seed=1, block_size=6, **over):
              dflash_config=dict(mask_token_id=tc.vocab_size - 1, target_layer_ids=[0, tc.num_hidden_layers - 1]))
     d.update(over)
     return randomize(DFlashDraftModel(DFlashConfig.from_dict(d)), seed)
-
-
-def plain_greedy(model, prompt, n, stops=()):
-    """Reference: plain target greedy decoding with a DynamicCache."""
-    ids = torch.tensor([prompt])
-    out = []
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        logits = model(ids, **cache_kwargs(model, cache)).logits[0, -1]
-        for _ in range(n):
-            t = int(logits.argmax())
-            out.append(t)
-            if t in stops:
-                break
-            logits = model(torch.tensor([[t]]), **cache_kwargs(model, cache)).logits[0, -1]
-    return out
 
 
 PROMPTS = [[3, 17, 29, 41, 5], [60, 2, 2, 9, 33, 71, 80, 14, 1, 44, 12], [7]]

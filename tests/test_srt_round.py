@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from tiny_pair import plain_greedy
 
 from sglang_tev import DraftTree, SamplingParams, build_ddtree_topk, processed_probs, verify_tree
 from sglang_tev.srt.round import (
@@ -445,14 +446,7 @@ def test_rounds_in_sglang_layout_are_greedy_identical_to_plain_decoding():
     prompts = [torch.randint(5, vocab, (L,), generator=g).tolist() for L in (5, 9, 3, 12)]
     new_tokens, H, k, budget = 24, 5, 3, 16
 
-    @torch.no_grad()
-    def plain_greedy(ids, n):
-        ids = list(ids)
-        for _ in range(n):
-            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids
-
-    refs = [plain_greedy(p, new_tokens + 2 * (H + 1)) for p in prompts]
+    refs = [p + plain_greedy(target, p, new_tokens + 2 * (H + 1)) for p in prompts]
     ctx = [list(p) for p in prompts]
     accepts = []
     while min(len(c) - len(p) for c, p in zip(ctx, prompts)) < new_tokens:

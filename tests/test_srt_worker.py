@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_pair import plain_greedy
 
 if importlib.util.find_spec("sglang") is None:
     if os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":  # set by .ci/run: never skip in CI
@@ -79,14 +80,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
     prompts = [torch.randint(5, V, (L,), generator=g).tolist() for L in (4, 7, 2, 9)]
     bs, new_tokens = len(prompts), 20
 
-    @torch.no_grad()
-    def plain_greedy(ids, n):
-        ids = list(ids)
-        for _ in range(n):
-            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids
-
-    refs = [plain_greedy(p, new_tokens + 3 * K) for p in prompts]
+    refs = [p + plain_greedy(target, p, new_tokens + 3 * K) for p in prompts]
 
     # memory: request b owns pool row pool_idx[b]; slots are a random permutation
     pool_idx = torch.tensor([3, 0, 2, 1])

@@ -1,4 +1,5 @@
-"""A tiny random target + DFlash drafter pair on disk, for the CLI and bench tests.
+"""A tiny random target + DFlash drafter pair on disk, for the CLI and bench tests, and
+:func:`plain_greedy`, the plain-decoding reference of the runtime tests.
 
 Target: ``Qwen3ForCausalLM`` (hidden 64, 4 layers, vocab 320, 256 positions by default) with a real byte-level
 BPE tokenizer (``tokenizers``, ~300 tokens trained on stdlib source) and an optional chat template.
@@ -16,6 +17,28 @@ import torch
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 VOCAB, HIDDEN, LAYERS, MAX_POS, BLOCK = 320, 64, 4, 256, 4
+
+
+def plain_greedy(model, prompt, n, stops=()) -> list[int]:
+    """Reference: plain target greedy decoding with a DynamicCache; the ``n`` new ids (fewer when
+    a token of ``stops`` comes first, which is kept)."""
+    from transformers import DynamicCache
+
+    from sglang_tev.hf.runtime import cache_kwargs
+
+    out = []
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        logits = model(torch.tensor([list(prompt)]), **cache_kwargs(model, cache)).logits[0, -1]
+        for _ in range(n):
+            t = int(logits.argmax())
+            out.append(t)
+            if t in stops:
+                break
+            logits = model(torch.tensor([[t]]), **cache_kwargs(model, cache)).logits[0, -1]
+    return out
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
