@@ -176,3 +176,87 @@ def test_bad_builder_options():
         build_ddtree_topk(v, i, 4, torch.tensor([0, 1]), depth_limit=torch.tensor([1]))
     with pytest.raises(ValueError, match="leaf_tokens"):
         build_ddtree_topk(v, i, 4, torch.tensor([0, 1]), leaf_tokens=torch.tensor([1, 2]))
+
+
+def _full_ranked_heap(logq, budget, roots, limit, leaf):
+    """The heap on every depth's full ranked list (log q desc, id asc), cut at min(budget, V)."""
+    lqn = logq.numpy()
+    ids = np.broadcast_to(np.arange(lqn.shape[-1]), lqn.shape)
+    o = np.lexsort((ids, -lqn), axis=-1)[..., : min(budget, lqn.shape[-1])]
+    vals = torch.from_numpy(np.take_along_axis(lqn, o, -1).copy())
+    toks = torch.from_numpy(np.take_along_axis(ids, o, -1).copy())
+    return build_ddtree_topk(vals, toks, budget, roots, depth_limit=limit, leaf_tokens=leaf, impl="heap")
+
+
+def _random_draft_cases(n_cases: int):
+    g = torch.Generator().manual_seed(7)
+    for trial in range(n_cases):
+        b, H = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 16, (1,), generator=g))
+        V = [3, 7, 64, 100, 512, 4096][trial % 6]
+        budget = [1, 2, 5, 16, 64, 130][int(torch.randint(0, 6, (1,), generator=g))]
+        logits = torch.randn(b, H, V, generator=g) * [0.1, 1, 3, 10][trial % 4]
+        if trial % 5 == 0:
+            logits = (logits * 2).round() / 2  # exact ties within and across depths
+        if trial % 7 == 0:
+            logits[:, :, : V // 2] = float("-inf")
+        if trial % 11 == 0:
+            logits[:] = 0.0  # a flat law: every token ties
+        limit = torch.randint(0, H + 1, (b,), generator=g) if trial % 3 == 0 else None
+        leaf = None
+        if trial % 4 == 1:  # stop tokens on the argmax chain, some slots unused
+            leaf = torch.stack([logits[r].argmax(-1)[torch.randint(0, H, (2,), generator=g)] for r in range(b)])
+            leaf[:, 1] = torch.where(torch.rand(b, generator=g) < 0.5, leaf[:, 1], -1)
+        yield logits, budget, limit, leaf
+
+
+def _assert_same_tree(a, c, what):
+    for f in ("parents", "tokens", "valid", "depth", "ancestor_mask"):
+        assert torch.equal(getattr(a, f), getattr(c, f)), (what, f)
+    assert a.max_depth == c.max_depth, what
+
+
+def test_host_builders_equal_the_heap_on_full_lists():
+    """The CPU builders read only the tokens their bound lets through (the C one and its Python
+    twin): their trees equal the heap's on every depth's full ranked list, with ties, -inf, flat
+    laws, depth limits and stop tokens on the chain, for vocabularies off the block width."""
+    import shutil
+
+    from sglang_tev.draft import ddtree as dd
+    from sglang_tev.draft.host_native import native_builder
+
+    fn = native_builder()
+    if fn is None and (shutil.which("cc") or shutil.which("gcc")):
+        raise AssertionError("a C compiler is here but the native DDTree builder did not build")
+    for i, (logits, budget, limit, leaf) in enumerate(_random_draft_cases(240)):
+        roots = torch.arange(logits.shape[0])
+        logq = torch.log_softmax(logits, -1)
+        ref = _full_ranked_heap(logq, budget, roots, limit, leaf)
+        lq_rows, id_rows = dd._ranked_survivors(logq, budget, limit, leaf)
+        _assert_same_tree(dd._build_heap(lq_rows, id_rows, budget, roots, limit, leaf), ref, ("python", i))
+        if fn is not None:
+            _assert_same_tree(dd._build_native(fn, logq, budget, roots, limit, leaf), ref, ("native", i))
+        assert all(len(row) <= min(budget, logits.shape[-1]) for rows in lq_rows for row in rows)
+
+
+def test_native_builder_off_or_unbuildable_falls_back(tmp_path):
+    """SGLANG_TEV_NATIVE=0, or a compiler that fails, leaves the Python builder (same trees)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from sglang_tev.draft.host_native import native_builder; "
+            "from sglang_tev import build_ddtree; assert native_builder() is None; "
+            "t = build_ddtree(torch.randn(2, 5, 300), 9, torch.tensor([0, 1])); "
+            "print(t.parents.tolist(), t.tokens.tolist())")
+    base = dict(os.environ, SGLANG_TEV_CACHE=str(tmp_path / "cache"))
+    outs = []
+    for extra in ({"SGLANG_TEV_NATIVE": "0"}, {"CC": "false"}):
+        env = dict(base, **extra)
+        outs.append(subprocess.run([sys.executable, "-c", code.replace("torch.randn(2, 5, 300)",
+                                    "torch.randn(2, 5, 300, generator=torch.Generator().manual_seed(3))")],
+                                   env=env, capture_output=True, text=True, check=True).stdout)
+    assert outs[0] == outs[1] and outs[0].startswith("[[-1")
+    g = torch.Generator().manual_seed(3)
+    t = build_ddtree(torch.randn(2, 5, 300, generator=g), 9, torch.tensor([0, 1]))
+    assert outs[0].strip() == f"{t.parents.tolist()} {t.tokens.tolist()}"
+    assert not list((tmp_path / "cache").glob("*.so"))  # the failed build left nothing behind

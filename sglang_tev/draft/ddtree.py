@@ -28,6 +28,7 @@ import heapq
 import torch
 
 from ..tree import DraftTree
+from .host_native import HMAX, native_builder
 
 __all__ = ["build_ddtree", "build_ddtree_topk", "build_ddtree_reference", "draft_topk"]
 
@@ -128,10 +129,27 @@ def build_ddtree_topk(
         if budget == 0:
             return tree
         return _pad_tree(tree, budget)
+    if _use_heap(impl, topk_logprobs):
+        import numpy as np
+
+        lq = topk_logprobs.detach().to(torch.float32).cpu().numpy()
+        idn = topk_ids.detach().cpu().numpy()
+        o = np.lexsort((idn, -lq), axis=-1)  # (log-prob desc, id asc)
+        lq_l = np.take_along_axis(lq, o, -1).astype(np.float64).tolist()
+        id_l = np.take_along_axis(idn, o, -1).tolist()
+        return _build_heap(lq_l, id_l, budget, root_tokens, depth_limit, leaf_tokens)
     lq, ids = _canonical_order(topk_logprobs.to(torch.float32).to(torch.float64), topk_ids)
-    if impl == "heap" or (impl == "auto" and lq.device.type == "cpu"):
-        return _build_heap(lq, ids, budget, root_tokens, depth_limit, leaf_tokens)
     return _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens)
+
+
+def _use_heap(impl: str, x: torch.Tensor) -> bool:
+    return impl == "heap" or (impl == "auto" and x.device.type == "cpu")
+
+
+def _host_options(b: int, H: int, depth_limit, leaf_tokens) -> tuple[list[int], list[set]]:
+    limits = [H] * b if depth_limit is None else [min(H, int(x)) for x in depth_limit.tolist()]
+    leaves = [set()] * b if leaf_tokens is None else [set(x for x in row if x >= 0) for row in leaf_tokens.tolist()]
+    return limits, leaves
 
 
 def _is_leaf_token(tok: torch.Tensor, leaf_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -142,18 +160,21 @@ def _is_leaf_token(tok: torch.Tensor, leaf_tokens: torch.Tensor | None) -> torch
     return (tok.unsqueeze(-1) == lt).any(-1)
 
 
-def _build_heap(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
+def _build_heap(lq_rows, id_rows, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
     """One heap per tree on the host, as the DDTree reference (``build_ddtree_tree``): pop the best
     prefix, push its next sibling and its first child. Ties are broken by the rank tuple; a
-    sibling's score is its parent's score + log q (as :func:`build_ddtree_reference`)."""
+    sibling's score is its parent's score + log q (as :func:`build_ddtree_reference`).
+
+    ``lq_rows[r][j]`` / ``id_rows[r][j]``: Python lists, the ranked candidates of tree r at depth
+    j + 1 (log q as floats, best first; ids). Rows may be shorter than others, or empty, when
+    the caller has proven the missing entries cannot enter the tree (:func:`_ranked_survivors`)."""
     import numpy as np
 
-    b, H, k = lq.shape
+    b = len(lq_rows)
+    H = len(lq_rows[0]) if b else 0
     n = 1 + budget
-    dev = lq.device
-    lq_l, ids_np = lq.cpu().tolist(), ids.cpu().numpy()
-    limits = [H] * b if depth_limit is None else [min(H, int(x)) for x in depth_limit.tolist()]
-    leaves = [set()] * b if leaf_tokens is None else [set(x for x in row if x >= 0) for row in leaf_tokens.tolist()]
+    dev = root_tokens.device
+    limits, leaves = _host_options(b, H, depth_limit, leaf_tokens)
     parents = np.zeros((b, n), dtype=np.int64)
     tokens = np.zeros((b, n), dtype=np.int64)
     depth = np.ones((b, n), dtype=np.int64)
@@ -164,32 +185,146 @@ def _build_heap(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> Draft
     anc[:, 1:, 0] = True  # padded nodes see the root and themselves
     tokens[:, 0] = root_tokens.cpu().numpy()
     max_depth = 0
+    heappop, heappush = heapq.heappop, heapq.heappush
+    roots = tokens[:, 0].tolist()
+    host = ([[-1] for _ in range(b)], [[t] for t in roots])
     for r in range(b):
-        lim, leaf, lqr, idr = limits[r], leaves[r], lq_l[r], ids_np[r]
-        if lim < 1:
+        lim, leaf, lqr, idr = limits[r], leaves[r], lq_rows[r], id_rows[r]
+        if lim < 1 or not lqr[0]:
             continue
+        par_l, tok_l, dep_l = [], [], []
         # item: (-score, ranks, parent node, depth, rank, score, parent score)
         heap = [(-lqr[0][0], (0,), 0, 1, 0, lqr[0][0], 0.0)]
         cnt = 0
-        anc_r, par_r, tok_r, dep_r = anc[r], parents[r], tokens[r], depth[r]
         while heap and cnt < budget:
-            _, ranks, par, d, rk, s, ps = heapq.heappop(heap)
+            _, ranks, par, d, rk, s, ps = heappop(heap)
             cnt += 1
-            tok = int(idr[d - 1, rk])
-            par_r[cnt], tok_r[cnt], dep_r[cnt] = par, tok, d
-            anc_r[cnt, :cnt] = anc_r[par, :cnt]
-            if d > max_depth:
-                max_depth = d
-            if rk + 1 < k:
-                sib = ps + lqr[d - 1][rk + 1]
-                heapq.heappush(heap, (-sib, ranks[:-1] + (rk + 1,), par, d, rk + 1, sib, ps))
-            if d < lim and tok not in leaf:
+            tok = idr[d - 1][rk]
+            par_l.append(par)
+            tok_l.append(tok)
+            dep_l.append(d)
+            row = lqr[d - 1]
+            if rk + 1 < len(row):
+                sib = ps + row[rk + 1]
+                heappush(heap, (-sib, ranks[:-1] + (rk + 1,), par, d, rk + 1, sib, ps))
+            if d < lim and tok not in leaf and lqr[d]:
                 ch = s + lqr[d][0]
-                heapq.heappush(heap, (-ch, ranks + (0,), cnt, d + 1, 0, ch, s))
+                heappush(heap, (-ch, ranks + (0,), cnt, d + 1, 0, ch, s))
+        host[0][r].extend(par_l)
+        host[1][r].extend(tok_l)
+        parents[r, 1: cnt + 1] = par_l
+        tokens[r, 1: cnt + 1] = tok_l
+        depth[r, 1: cnt + 1] = dep_l
         valid[r, : cnt + 1] = True
+        max_depth = max(max_depth, max(dep_l))
+        anc_r = anc[r]
+        for i, p in enumerate(par_l, 1):  # parents precede children: copy the parent's row
+            anc_r[i, :i] = anc_r[p, :i]
     t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
-    parents[:, 1:] = np.where(valid[:, 1:], parents[:, 1:], 0)
-    return DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth)
+    tree = DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth)
+    object.__setattr__(tree, "_host", host)  # DraftTree.host(): the lists, without reading the tensors back
+    return tree
+
+
+SURVIVOR_GROUP = 64
+"""Tokens per vocabulary group of :func:`_ranked_survivors`' bound (group maxima are its candidates)."""
+
+
+def _ranked_survivors(logq: torch.Tensor, budget: int, depth_limit, leaf_tokens):
+    """Per tree and depth, the ranked candidates that can enter the tree: the heap's input,
+    without a per-depth top-k over the vocabulary (the Python twin of ``_ddtree_host.c``).
+
+    ``logq``: float32 [b, H, V], the draft log-probabilities (``log_softmax`` of the logits).
+    Let m_j be the best log q at depth j, P_d = m_1 + ... + m_d (the best depth-d score) and
+    Y(d, x) = P_{d-1} + log q_d(x), the score of "best chain to depth d - 1, then x". A tree
+    node (d, x) scores at most Y(d, x) and at least s_B, the budget-th best score; any budget
+    allowed prefixes give a lower bound L <= s_B. Here they are the maxima of Y over groups of
+    ``SURVIVOR_GROUP`` tokens (token t in group t mod V/G; rows past a depth limit, or below a
+    leaf token on the chain, are left out of the bound). So only tokens with Y(d, x) >= L can be
+    tree nodes: a prefix of each depth's ranked list, found by scanning only the groups whose
+    maximum reaches L. The heap on these lists pops exactly the nodes it pops on full top-k lists
+    (log q summed in float64 in the heap's order, so the bound holds in floating point; a 1e-6
+    relative margin keeps borderline entries anyway). Ranking within a depth: (log q desc, id
+    asc), each list capped at min(budget, V) entries.
+
+    Returns (lq_rows, id_rows) as :func:`_build_heap` takes them.
+    """
+    import numpy as np
+
+    x = logq.detach().to(torch.float32).cpu()
+    b, H, V = x.shape
+    k = min(budget, V)
+    G = SURVIVOR_GROUP
+    if V % G:  # pad to whole groups; -inf never survives a finite bound, and padding is cut below
+        x = torch.cat([x, x.new_full((b, H, G - V % G), float("-inf"))], -1)
+    x = x.contiguous()
+    ng = x.shape[-1] // G
+    gmax = x.view(b, H, G, ng).amax(-2)  # [b, H, ng]: group j = tokens j, j + ng, j + 2 ng, ...
+    xn, gq = x.numpy(), gmax.numpy()
+    m = gq.max(-1).astype(np.float64)  # best log q per depth, as the heap sees it
+    pprev = np.zeros((b, H), dtype=np.float64)
+    pprev[:, 1:] = np.cumsum(m[:, :-1], -1)  # P_{d-1}, summed in the heap's order
+    limits, leaves = _host_options(b, H, depth_limit, leaf_tokens)
+    rows_ok = np.arange(H)[None, :] < np.array(limits)[:, None]  # depth j + 1 <= limit
+    bound_ok = rows_ok
+    if leaf_tokens is not None:
+        bound_ok = rows_ok.copy()
+        chain = np.argmax(xn, axis=-1).tolist()  # the chain's tokens (lowest id among ties)
+        for r in range(b):
+            hit = [j for j in range(H) if chain[r][j] in leaves[r]]
+            if hit:  # prefixes through the chain's first leaf token do not exist
+                bound_ok[r, hit[0] + 1:] = False
+    y_grp = gq.astype(np.float64) + pprev[..., None]  # Y at each group's maximum
+    flat = np.where(bound_ok[..., None], y_grp, -np.inf).reshape(b, -1)
+    if flat.shape[1] >= budget:
+        bound = -np.partition(-flat, budget - 1, axis=1)[:, budget - 1]
+    else:
+        bound = np.full(b, -np.inf)
+    thr = bound - 1e-6 * (1.0 + np.abs(np.where(np.isfinite(bound), bound, 0.0)))
+    cand = np.flatnonzero((y_grp >= thr[:, None, None]) & rows_ok[..., None])  # (r * H + j) * ng + g
+    row, gi = np.divmod(cand, ng)  # row = r * H + j
+    cols = gi[:, None] + ng * np.arange(G)  # [c, G] token ids of each candidate group
+    lq = xn.reshape(-1)[(row * x.shape[-1])[:, None] + cols]  # float32 log q
+    keep = (lq.astype(np.float64) + pprev.reshape(-1)[row][:, None] >= thr[row // H][:, None]) & (cols < V)
+    ci, cg = np.nonzero(keep)
+    srow, stok, slq = row[ci], cols[ci, cg], lq[ci, cg]
+    order = np.lexsort((stok, -slq, srow))
+    bounds = np.searchsorted(srow[order], np.arange(b * H + 1)).tolist()
+    slq_l = slq[order].astype(np.float64).tolist()
+    stok_l = stok[order].tolist()
+    lq_rows, id_rows = [], []
+    for r in range(b):
+        lr, ir = [], []
+        for j in range(H):
+            lo = bounds[r * H + j]
+            hi = min(bounds[r * H + j + 1], lo + k)
+            lr.append(slq_l[lo:hi])
+            ir.append(stok_l[lo:hi])
+        lq_rows.append(lr)
+        id_rows.append(ir)
+    return lq_rows, id_rows
+
+
+def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
+    """:func:`_build_heap` on :func:`_ranked_survivors`' lists in one C call (``_ddtree_host.c``;
+    its bound is the exact budget-th best Y rather than group maxima, so its lists can be shorter;
+    the tree is the same). CPU tensors only."""
+    b, H, V = logq.shape
+    n = 1 + budget
+    x = logq.contiguous()
+    limits = torch.full((b,), H, dtype=torch.int64) if depth_limit is None else depth_limit.to(torch.int64).contiguous()
+    leaves = torch.empty(b, 0, dtype=torch.int64) if leaf_tokens is None else leaf_tokens.to(torch.int64).contiguous()
+    roots = root_tokens.to(torch.int64).contiguous()
+    ints = torch.empty(3 * b * n + b, dtype=torch.int64)
+    flags = torch.empty(b * n * (n + 1), dtype=torch.bool)  # bool is one byte holding 0 / 1, as C writes it
+    parents, tokens, depth = (ints[i * b * n: (i + 1) * b * n].view(b, n) for i in range(3))
+    valid, anc = flags[: b * n].view(b, n), flags[b * n:].view(b, n, n)
+    md = fn(x.data_ptr(), b, H, V, budget, limits.data_ptr(), leaves.data_ptr(), leaves.shape[1], roots.data_ptr(),
+            parents.data_ptr(), tokens.data_ptr(), depth.data_ptr(), valid.data_ptr(), anc.data_ptr(),
+            ints[3 * b * n:].data_ptr())
+    if md < 0:
+        raise MemoryError(f"the native DDTree builder failed (status {md})")
+    return DraftTree(parents, tokens, valid, depth, anc, int(md))
 
 
 def _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
@@ -295,7 +430,7 @@ def draft_topk(draft_logits: torch.Tensor, k: int):
         the full vocabulary. Which of several tokens tied exactly at the k-th boundary enters the
         list follows ``torch.topk``.
     """
-    logq = torch.log_softmax(draft_logits.to(torch.float32), dim=-1)
+    logq = torch.log_softmax(draft_logits.to(torch.float32), dim=-1)  # the host builders' log q too
     vals, ids = torch.topk(logq, k, dim=-1)
     return vals, ids
 
@@ -329,6 +464,15 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Ten
             raise ValueError("draft_logits has a row whose entries are all -inf")
     if budget == 0:
         return _root_only(root_tokens)
+    if impl not in ("auto", "heap", "levels"):
+        raise ValueError(f"impl must be 'auto', 'heap' or 'levels', got {impl!r}")
+    if _use_heap(impl, draft_logits) and draft_logits.shape[1] > 0:
+        logq = torch.log_softmax(draft_logits.detach().to(torch.float32), dim=-1)  # as draft_topk
+        fn = native_builder() if logq.device.type == "cpu" and logq.shape[1] <= HMAX else None
+        if fn is not None:
+            return _build_native(fn, logq, budget, root_tokens, depth_limit, leaf_tokens)
+        lq_rows, id_rows = _ranked_survivors(logq, budget, depth_limit, leaf_tokens)
+        return _build_heap(lq_rows, id_rows, budget, root_tokens, depth_limit, leaf_tokens)
     k = min(budget, draft_logits.shape[-1])
     vals, ids = draft_topk(draft_logits, k)
     return build_ddtree_topk(vals, ids, budget, root_tokens, validate=False, depth_limit=depth_limit,

@@ -1,0 +1,99 @@
+"""The host DDTree builder in C (``_ddtree_host.c``), built on first use with the system compiler.
+
+On CPU every small tensor or NumPy op costs tens of microseconds right after a model forward
+(its weights have evicted the caches), so a builder made of many small ops loses to one native
+call. This module compiles ``_ddtree_host.c`` (plain C, no Python headers, about a second) into
+a per-user cache directory and calls it through :mod:`ctypes`. Where that is not possible (no C
+compiler, a read-only cache, ``SGLANG_TEV_NATIVE=0``), :func:`native_builder` returns None and the
+builder stays in Python: both give identical trees (``tests/test_ddtree.py``).
+
+Cache directory: ``$SGLANG_TEV_CACHE`` or ``$XDG_CACHE_HOME/sglang_tev`` (default
+``~/.cache/sglang_tev``); the library's name carries a hash of the source, so an upgrade rebuilds
+it. Compiler: ``$CC`` or the first of ``cc``, ``gcc``, ``clang`` on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+__all__ = ["native_builder", "HMAX"]
+
+HMAX = 64
+"""Deepest depth the C builder takes (``HMAX`` in the C source)."""
+
+_log = logging.getLogger(__name__)
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ddtree_host.c")
+_lib = None
+_tried = False
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("SGLANG_TEV_CACHE")
+    if not base:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "sglang_tev")
+    return base
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _build() -> ctypes.CDLL | None:
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    lib_path = os.path.join(out_dir, f"ddtree_host-{digest}.so")
+    if not os.path.exists(lib_path):
+        cc = _compiler()
+        if cc is None:
+            _log.info("sglang_tev: no C compiler found; the DDTree builder runs in Python")
+            return None
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:  # build beside the target, then rename: concurrent builders never see half a file
+            subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(tmp, lib_path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    lib = ctypes.CDLL(lib_path)
+    fn = lib.ddtree_build
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    return lib
+
+
+def native_builder():
+    """The C ``ddtree_build`` function, or None where it cannot be built or is disabled
+    (``SGLANG_TEV_NATIVE=0``, read at the first call). Built and loaded once per process; failures are logged at INFO
+    level and never raised (the Python builder takes over)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("SGLANG_TEV_NATIVE", "1") == "0":
+            return None
+        try:
+            _lib = _build()
+        except (OSError, subprocess.SubprocessError) as e:
+            _log.info("sglang_tev: could not build the native DDTree builder (%s); it runs in Python", e)
+            _lib = None
+    return None if _lib is None else _lib.ddtree_build
