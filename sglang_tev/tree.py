@@ -187,6 +187,19 @@ class DraftTree:
         mask.scatter_(1, torch.where(is_child, flat, torch.full_like(flat, n * vocab_size)), True)
         return mask[:, :-1].view(b, n, vocab_size)
 
+    def host(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(parents, tokens) of each tree's valid nodes as Python lists (``parents[r][0] == -1``),
+        read once and cached; host-side builders fill the cache when they create the tree, so
+        host-side verifiers and runtimes read it without a transfer. The tensors are the truth:
+        do not modify them after calling this."""
+        cached = getattr(self, "_host", None)
+        if cached is None:
+            n_valid = self.valid.sum(1).tolist()
+            par, tok = self.parents.tolist(), self.tokens.tolist()
+            cached = ([p[:m] for p, m in zip(par, n_valid)], [t[:m] for t, m in zip(tok, n_valid)])
+            object.__setattr__(self, "_host", cached)
+        return cached
+
     def path(self, node: torch.Tensor) -> torch.Tensor:
         """Root-to-node paths.
 

@@ -223,3 +223,60 @@ def test_logits_processor_hook_changes_the_law():
     assert not bool((out.bonus == ban).any())
     path_tokens = big.tokens.gather(1, out.path.clamp(min=0))[:, 1:]
     assert not bool(((path_tokens == ban) & (out.path[:, 1:] >= 0)).any())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_loop_free_follow_equals_a_walk(seed):
+    """follow / follow_tokens (read off the ancestor mask) = the walk from the root, on ragged
+    padded batches; and the CPU argmax keeps ties at the lowest id (as torch.argmax)."""
+    from sglang_tev.verify._common import argmax_last, follow, follow_tokens
+
+    rng = np.random.default_rng(seed)
+    sizes = [int(rng.integers(1, 14)) for _ in range(5)]
+    trees = [random_tree(rng, s, 4, max_children=3) for s in sizes]
+    tree = stack_trees(trees, 14)
+    b, n = tree.parents.shape
+    chosen = torch.from_numpy(rng.integers(-1, n, size=(b, n)))
+    want_tok = torch.from_numpy(rng.integers(0, 4, size=(b, n)))
+    for r, (parents, tokens) in enumerate(trees):
+        children = {i: {} for i in range(len(parents))}
+        for i in range(1, len(parents)):
+            children[parents[i]][tokens[i]] = i
+        cur = 0  # walk by the chosen child (only a real child of cur counts)
+        while int(chosen[r, cur]) in children[cur].values():
+            cur = int(chosen[r, cur])
+        assert int(follow(tree, chosen)[r]) == cur
+        cur = 0
+        while int(want_tok[r, cur]) in children[cur]:
+            cur = children[cur][int(want_tok[r, cur])]
+        assert int(follow_tokens(tree, want_tok)[r]) == cur
+    x = torch.from_numpy(rng.integers(0, 3, size=(3, 5, 7)).astype(np.float32))  # many exact ties
+    for dt in (torch.float32, torch.float64):
+        assert torch.equal(argmax_last(x.to(dt)), x.to(dt).argmax(-1))
+    assert torch.equal(argmax_last(x[:, ::2, 1:]), x[:, ::2, 1:].argmax(-1))  # strided view
+
+
+def test_greedy_host_walk_equals_tensor_walk(monkeypatch):
+    """On CPU small batches walk the tree on the host; the tensor walk (large batches, GPU) gives
+    the same outputs, and VerifyOutput.host() reads the same decision from either."""
+    import sglang_tev.verify as verify_mod
+
+    trees, tree, logits = make_case(5, 6, sizes=[12, 1, 9, 5])
+    for r, (parents, tokens) in enumerate(trees):  # a deep argmax path: boost first children
+        for i in range(1, len(parents)):
+            if i == min(j for j in range(1, len(parents)) if parents[j] == parents[i]):
+                logits[r, parents[i], tokens[i]] += 5.0
+    greedy = SamplingParams(temperature=0.0)
+    host = verify_tree(tree, logits, "tev", sampling=greedy)
+    monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 0)
+    dev = verify_tree(tree, logits, "tev", sampling=greedy)
+    assert getattr(host, "_host", None) is not None and getattr(dev, "_host", None) is None
+    for f in ("path", "accept_len", "bonus", "exit_node", "coverage"):
+        assert torch.equal(getattr(host, f), getattr(dev, f)), f
+        assert getattr(host, f).dtype == getattr(dev, f).dtype, f
+    assert int(host.accept_len.max()) >= 2
+    extra = torch.randn(tree.batch_size, 3)
+    a, b = host.host(tree, extra), dev.host(tree, extra)
+    assert a == b
+    assert a.tree_nodes == [12, 1, 9, 5] and a.extra == extra.double().tolist()
+    assert a.path_tokens == [[int(tree.tokens[r, v]) for v in p] for r, p in enumerate(a.paths)]

@@ -29,7 +29,7 @@ import torch
 
 from ..tree import DraftTree
 
-__all__ = ["Controls", "path_counts", "apply_controls", "first_bad_node", "bad_nodes"]
+__all__ = ["Controls", "path_counts", "apply_controls"]
 
 LogitsProcessorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -156,20 +156,3 @@ def _paths(tree: DraftTree, r: int) -> list[torch.Tensor]:
     for i in range(1, len(par)):
         out.append(torch.cat([out[par[i]] if par[i] > 0 else tok[:0], tok[i: i + 1]]))
     return out
-
-
-def bad_nodes(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """bool [b, N]: valid nodes whose logits row has NaN or +inf or only -inf. One pass: amax is
-    NaN when the row holds a NaN, +inf with a +inf, -inf when all are -inf. No host sync."""
-    return ~torch.isfinite(logits.amax(-1)) & valid
-
-
-def first_bad_node(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """int64 [b]: the first valid node whose logits row has NaN or +inf or only -inf, else -1.
-    No host sync (the runtime reads it with the round's one sync)."""
-    # one pass: amax is NaN when the row holds a NaN, +inf with a +inf, -inf when all are -inf
-    bad = ~torch.isfinite(logits.amax(-1)) & valid
-    n = bad.shape[1]
-    idx = torch.where(bad, torch.arange(n, device=bad.device), torch.full_like(bad, n, dtype=torch.int64))
-    first = idx.min(1).values
-    return torch.where(first < n, first, torch.full_like(first, -1))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import time
 import warnings
@@ -43,7 +44,7 @@ from ..sampling import SamplingParams
 from ..tree import DraftTree, additive_mask
 from ..verify import METHODS as VERIFIERS
 from ..verify import num_uniforms, verify_tree
-from .controls import Controls, apply_controls, bad_nodes
+from .controls import Controls, apply_controls
 from .static_cache import StaticKVCache, attention_layout, prefill_masks, tree_masks
 from .assets import shipped_pair_default
 
@@ -268,6 +269,8 @@ class _Run:
         self.static = gen.static_shapes or gen.cuda_graphs
         self.static_slots: dict[tuple[int, int], torch.Tensor] = gen._static_slots
         self.graphs = None
+        self._mask_buf: torch.Tensor | None = None  # _kept_tree_mask's buffer and per-slot (row, context columns set)
+        self._mask_rows: list = []
         if gen.cuda_graphs:
             from .cuda_graphs import GraphedTreeForward
 
@@ -483,8 +486,35 @@ class _Run:
         else:
             kv_len = max(r.past_len for r in self.active) + n
             slots = self.active[0].past_len if b == 1 else lens.view(b, 1) + torch.arange(n, device=self.dev)
-        masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
+        if self.static or g.layout.windows != {"full_attention": None}:
+            masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
+        else:
+            masks = g._mask(self._kept_tree_mask(tree, kv_len))
         return {"rows": sl, "positions": lens.view(b, 1) + tree.depth, "masks": masks, "slots": slots, "kv_len": kv_len}
+
+    def _kept_tree_mask(self, tree: DraftTree, kv_len: int) -> torch.Tensor:
+        """The full-attention tree mask (as :func:`~sglang_tev.hf.static_cache.tree_masks`) kept in
+        one bool buffer [cap, 1, N, max_len] and updated in place: per row, the columns that became
+        context since its last round are set and its tree window gets the ancestor mask (two
+        slice writes), as the reference keeps its mask buffer. Columns past a row's window were
+        never written for it (rows only grow), so they stay False; a slot that changes hands is
+        cleared first."""
+        b, n = tree.parents.shape
+        if self._mask_buf is None or self._mask_buf.shape[2] != n:
+            self._mask_buf = torch.zeros(self.cap, 1, n, self.max_len, dtype=torch.bool, device=self.dev)
+            self._mask_rows = [(None, 0)] * self.cap
+        buf = self._mask_buf
+        for i, r in enumerate(self.active):
+            owner, done = self._mask_rows[i]
+            L = r.past_len
+            if owner is not r or done > L:
+                buf[i].zero_()
+                done = 0
+            if L > done:
+                buf[i, 0, :, done:L] = True
+            buf[i, 0, :, L: L + n] = tree.ancestor_mask[i]
+            self._mask_rows[i] = (r, L)
+        return buf[:b, :, :, :kv_len]
 
     def tree_forward(self, tree: DraftTree, inputs: dict):
         """One target forward over every row's tree: logits float32 [b, N, V], features or None
@@ -531,60 +561,60 @@ class _Run:
                 u[i] = torch.rand(u_count, dtype=torch.float64, device=self.dev, generator=r.generator)
         return u
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor) -> dict:
-        """Controls at every node, the finiteness check, the verifier, and the round's one host
-        sync: a packed float64 [b, 2N + 4] read back at once."""
+    def verify(self, tree: DraftTree, logits: torch.Tensor):
+        """Controls at every node, the verifier, and the round's one host sync: the decision and
+        every node's row maximum (the finiteness check) read back together
+        (:meth:`~sglang_tev.verify.VerifyOutput.host`)."""
         b, n = tree.parents.shape
         if self.use_controls:
             logits = apply_controls(logits, tree, [r.controls for r in self.active], self.counts[:b] if self.counts is not None else None,
                                     self.seen[:b] if self.seen is not None else None,
                                     self.bias[:b] if self.bias is not None else None,
                                     lambda i: self.tokens[i, : self.active[i].past_len + 1])
-        bad = bad_nodes(logits, tree.valid)
         sampling = self._row_sampling()
         vout = verify_tree(tree, logits, method=self.vmethod, sampling=sampling, uniforms=self._uniforms(n),
                            validate=False)
-        path_tokens = tree.tokens.gather(1, vout.path.clamp(min=0))
-        # columns: path tokens [N], accept_len, bonus, coverage, tree size, bad-node flags [N]
-        packed = torch.cat([path_tokens, vout.accept_len.view(b, 1), vout.bonus.view(b, 1)], 1).to(torch.float64)
-        packed = torch.cat([packed, vout.coverage.view(b, 1).to(torch.float64), tree.valid.sum(1, keepdim=True).to(torch.float64),
-                            bad.to(torch.float64)], 1)
-        host = packed.tolist()  # the one host sync of the round
-        for i, h in enumerate(host):
-            if any(h[n + 4:]):
-                v = h[n + 4:].index(1.0)
+        # amax is NaN for a row holding a NaN, +inf with a +inf, -inf when all are -inf
+        dec = vout.host(tree, extra=logits.amax(-1))  # the one host sync of the round
+        for i, (row_max, m) in enumerate(zip(dec.extra, dec.tree_nodes)):
+            bad = [v for v in range(m) if not math.isfinite(row_max[v])]
+            if bad:
                 r = self.active[i]
+                v = bad[0]
                 raise NonFiniteLogitsError(
                     f"target logits are not finite (NaN, +inf or all -inf) at round {self.round_no}, prompt {r.index}, "
                     f"tree node {v} (depth {int(tree.depth[i, v])}, token {int(tree.tokens[i, v])}); "
                     f"{len(r.result.token_ids)} tokens were emitted before it. Check the model's dtype (fp16 overflow?)")
         self.first = False
-        return {"host": host, "path": vout.path, "n": n}
+        return dec
 
-    def commit(self, sl: slice, tree: DraftTree, lens, feats, decision: dict, times, lap) -> None:
-        """Move each row's accepted path KV to the front of its tree window (one gather per layer),
-        hand the path's features to the drafter, cut blocks at stops / max_new_tokens, advance."""
-        host, path, n = decision["host"], decision["path"], decision["n"]
+    def commit(self, sl: slice, tree: DraftTree, lens, feats, dec, times, lap) -> None:
+        """Move each row's accepted path KV to the front of its tree window (one gather per layer,
+        skipped when every path is already in place), hand the path's features to the drafter, cut
+        blocks at stops / max_new_tokens, advance."""
         b = len(self.active)
-        accs = [int(h[n]) for h in host]
-        w = max(accs) + 1
-        if w > 1:
-            j = torch.arange(w, device=self.dev).view(1, w)
-            p = path[:, :w]
-            src_nodes = torch.where(p >= 0, p, j)  # rows with shorter paths move their slots onto themselves
-            dst = lens.view(b, 1) + j
-            self.cache.compact(sl, lens.view(b, 1) + src_nodes, dst)
+        paths = dec.paths
+        w = max(len(p) for p in paths)
+        if feats is not None or w > 1:
+            in_place = all(p == list(range(len(p))) for p in paths)  # nodes 0..a already sit in slots 0..a
+            if b == 1:
+                dst = torch.arange(self.active[0].past_len, self.active[0].past_len + w, device=self.dev).view(1, w)
+            else:
+                dst = lens.view(b, 1) + torch.arange(w, device=self.dev)
+            src = None
+            if not in_place:  # rows with shorter paths move their own slots onto themselves
+                src = torch.tensor([p + list(range(len(p), w)) for p in paths], dtype=torch.int64, device=self.dev)
+                if w > 1:
+                    self.cache.compact(sl, (lens.view(b, 1) + src) if b > 1 else src + self.active[0].past_len, dst)
             if feats is not None:
-                idx = src_nodes.unsqueeze(-1).expand(b, w, feats.shape[-1])
-                self.pending_ctx = (sl, feats.gather(1, idx), dst)
-        elif feats is not None:
-            self.pending_ctx = (sl, feats[:, :1], lens.view(b, 1))
+                ctx = feats[:, :w] if src is None else feats.gather(1, src.unsqueeze(-1).expand(b, w, feats.shape[-1]))
+                self.pending_ctx = (sl, ctx, dst)
         # host bookkeeping
         finished = []
         writes_r, writes_c, writes_t = [], [], []
-        for i, (r, h) in enumerate(zip(self.active, host)):
-            acc = accs[i]
-            block = [int(t) for t in h[1: acc + 1]] + [int(h[n + 1])]
+        for i, r in enumerate(self.active):
+            acc = dec.accept_len[i]
+            block = dec.path_tokens[i][1:] + [dec.bonus[i]]
             block, reason = self.g._cut(block, r.result.token_ids, r.stops, r.req.stop_strings, r.remaining)
             m = len(block)
             for k, t in enumerate(block):
@@ -594,7 +624,7 @@ class _Run:
             r.ids.extend(block)
             r.past_len += m  # the KV of root + the first m - 1 block tokens is cached (m - 1 <= acc)
             r.result.token_ids.extend(block)
-            r.result.rounds.append(RoundStats(min(acc, m), m, float(h[n + 2]), int(h[n + 3]), times,
+            r.result.rounds.append(RoundStats(min(acc, m), m, dec.coverage[i], dec.tree_nodes[i], times,
                                               verified_accept_len=acc, batch_rows=b))
             if self.stream is not None and block:
                 self.stream(r.index, block)

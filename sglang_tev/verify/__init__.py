@@ -32,12 +32,13 @@ from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_pr
 from ..tree import DraftTree, edge_probs, exit_law_from_edges
 from . import predraw as _predraw
 from . import sequential as _sequential
+from ._common import argmax_last
 from .greedy import greedy_verify
 from .predraw import predraw_verify
 from .sequential import sequential_verify
 from .tev import tev_verify, tev_verify_logits
 
-__all__ = ["VerifyOutput", "verify_tree", "num_uniforms", "METHODS", "BACKENDS", "triton_available"]
+__all__ = ["VerifyOutput", "HostDecision", "verify_tree", "num_uniforms", "METHODS", "BACKENDS", "triton_available"]
 
 METHODS = ("tev", "predraw", "sequential", "greedy")
 BACKENDS = ("auto", "torch", "triton")
@@ -49,6 +50,29 @@ def triton_available() -> bool:
     from . import triton_tev
 
     return triton_tev.HAS_TRITON
+
+
+@dataclass(frozen=True)
+class HostDecision:
+    """A round's decision as Python lists, what a runtime reads on the host
+    (:meth:`VerifyOutput.host`).
+
+    Attributes:
+        paths: per tree, the accepted node indices root-first (no padding; length accept_len + 1).
+        path_tokens: their tokens (the root token first).
+        accept_len, bonus: per tree, as :class:`VerifyOutput`.
+        coverage: per tree, C_p as a float.
+        tree_nodes: per tree, the valid nodes (root included).
+        extra: the rows of the ``extra`` tensor passed to :meth:`VerifyOutput.host`, or None.
+    """
+
+    paths: list
+    path_tokens: list
+    accept_len: list
+    bonus: list
+    coverage: list
+    tree_nodes: list
+    extra: list | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,40 @@ class VerifyOutput:
     bonus: torch.Tensor
     exit_node: torch.Tensor
     coverage: torch.Tensor
+
+    def host(self, tree: DraftTree, extra: torch.Tensor | None = None) -> HostDecision:
+        """The decision on the host, in ONE device-to-host transfer (none of the decision's own
+        when the verifier walked on the host: its lists are kept).
+
+        Args:
+            tree: the tree this output verifies (its tokens give ``path_tokens``).
+            extra: optional float or bool [b, E] to read back in the same transfer (a runtime's
+                per-node flags, say); returned as ``HostDecision.extra`` rows of floats.
+        Returns:
+            :class:`HostDecision`.
+        """
+        kept = getattr(self, "_host", None)
+        if kept is not None:
+            rows = None if extra is None else extra.to(torch.float64).tolist()
+            return HostDecision(*kept, extra=rows)
+        b, n = self.path.shape
+        path_tokens = torch.gather(tree.tokens, 1, self.path.clamp(min=0))
+        ints = torch.cat([self.path, path_tokens, self.accept_len.view(b, 1), self.bonus.view(b, 1),
+                          tree.valid.sum(1, keepdim=True)], 1)
+        parts = [ints.to(torch.float64), self.coverage.view(b, 1).to(torch.float64)]  # ids < 2^53: exact
+        if extra is not None:
+            parts.append(extra.reshape(b, -1).to(torch.float64))
+        rows = torch.cat(parts, 1).tolist()  # the one transfer
+        acc = [int(h[2 * n]) for h in rows]
+        return HostDecision(
+            paths=[[int(x) for x in h[: a + 1]] for h, a in zip(rows, acc)],
+            path_tokens=[[int(x) for x in h[n: n + a + 1]] for h, a in zip(rows, acc)],
+            accept_len=acc,
+            bonus=[int(h[2 * n + 1]) for h in rows],
+            coverage=[h[2 * n + 3] for h in rows],
+            tree_nodes=[int(h[2 * n + 2]) for h in rows],
+            extra=None if extra is None else [h[2 * n + 4:] for h in rows],
+        )
 
 
 def num_uniforms(method: str, num_nodes: int) -> int:
@@ -168,6 +226,8 @@ def verify_tree(
     if _scalar_greedy(sampling.temperature):
         # Greedy law: every p_v is one-hot at the argmax, so each method is argmax-follow
         # (DESIGN §1) and uses no randomness; coverage is then the argmax path's depth.
+        if logits.device.type == "cpu" and b * n <= HOST_WALK_MAX_NODES:
+            return _greedy_on_host(tree, logits)
         exit_node, bonus = greedy_verify(tree, logits)
         accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)
         coverage = accept_len.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
@@ -196,6 +256,43 @@ def verify_tree(
         coverage = _coverage(tree, probs)
     accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)
     return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, coverage)
+
+
+HOST_WALK_MAX_NODES = 4096
+"""Greedy verification of CPU trees with at most this many nodes in all (b x N) walks the tree on
+the host, as the DDTree reference does: one argmax pass, then a dictionary walk over the
+tree's lists. Larger batches (and every other device) use the tensor walk
+(:func:`~sglang_tev.verify.greedy.greedy_verify`); both give equal outputs."""
+
+
+def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
+    """Argmax-follow with the walk in Python: on CPU each small tensor op costs more than this
+    whole walk (caches are cold after the target forward). Keeps the lists for :meth:`VerifyOutput.host`."""
+    b, n = tree.batch_size, tree.num_nodes
+    top = argmax_last(logits).tolist()
+    parents, tokens = tree.host()
+    paths, path_tokens, acc, bonus, last = [], [], [], [], []
+    for r in range(b):
+        par, tok, tp = parents[r], tokens[r], top[r]
+        child = {(par[i] << 32) | tok[i]: i for i in range(1, len(par))}
+        cur, path = 0, [0]
+        nxt = child.get(tp[0])  # the root's key: (0 << 32) | token
+        while nxt is not None:
+            path.append(nxt)
+            cur = nxt
+            nxt = child.get((cur << 32) | tp[cur])
+        paths.append(path)
+        path_tokens.append([tok[i] for i in path])
+        acc.append(len(path) - 1)
+        bonus.append(tp[cur])
+        last.append(cur)
+    path_t = torch.tensor([p + [-1] * (n - len(p)) for p in paths], dtype=torch.int64)
+    acc_t, bonus_t, exit_t = torch.tensor([acc, bonus, last], dtype=torch.int64)
+    cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = VerifyOutput(path_t, acc_t, bonus_t, exit_t, acc_t.to(cover_dt))
+    object.__setattr__(out, "_host", (paths, path_tokens, acc, bonus, [float(a) for a in acc],
+                                      [len(p) for p in parents]))
+    return out
 
 
 def _use_kernel(backend: str | None, method: str, logits) -> bool:

@@ -26,31 +26,52 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def follow(tree: DraftTree, chosen_child: torch.Tensor) -> torch.Tensor:
-    """Walk from the root along ``chosen_child`` for ``tree.max_depth`` static steps.
+    """The exit node of the walk from the root along ``chosen_child``, without a walk.
 
     Args:
         chosen_child: int64 [b, N], the child a verifier moves to from each node, or -1 to exit.
     Returns:
         int64 [b], the exit node.
+
+    A node is reached iff every edge on its root path is the one chosen at its parent; the
+    reached nodes form one chain and, since parents precede children, the exit (the deepest) is
+    the largest reached index. A fixed number of ops over the ancestor mask [b, N, N] (no loop
+    over depths, no host sync).
     """
-    b = tree.batch_size
-    cur = torch.zeros(b, dtype=torch.int64, device=tree.device)
-    for _ in range(tree.max_depth):
-        nxt = torch.gather(chosen_child, 1, cur.unsqueeze(1)).squeeze(1)
-        cur = torch.where(nxt >= 0, nxt, cur)
-    return cur
+    want = torch.gather(chosen_child, 1, tree.parents.clamp(min=0))  # the child each node's parent chose
+    idx = torch.arange(tree.num_nodes, device=tree.device)
+    return _deepest_reached(tree, tree.valid & (want == idx))
 
 
-def child_with_token(tree: DraftTree, token_per_node: torch.Tensor) -> torch.Tensor:
-    """int64 [b, N]: the valid child of each node whose token equals ``token_per_node`` [b, N], else -1.
+def follow_tokens(tree: DraftTree, token_per_node: torch.Tensor) -> torch.Tensor:
+    """The exit node of the walk that moves from each node to its child carrying
+    ``token_per_node`` [b, N] (int64) and exits where no child does (argmax-follow, predraw).
 
-    Siblings carry distinct tokens, so at most one child matches.
+    Returns:
+        int64 [b]. Siblings carry distinct tokens, so the walk is unique; same cost as :func:`follow`.
     """
-    b, n = tree.parents.shape
-    par = tree.parents.clamp(min=0)
-    want = torch.gather(token_per_node, 1, par)  # the token each node's parent wants
-    match = tree.valid & (tree.tokens == want)
-    match[:, 0] = False
-    idx = torch.arange(n, device=tree.device).expand(b, n)
-    out = torch.full((b, n), -1, dtype=torch.int64, device=tree.device)
-    return out.scatter_reduce_(1, par, torch.where(match, idx, torch.full_like(idx, -1)), reduce="amax")
+    want = torch.gather(token_per_node, 1, tree.parents.clamp(min=0))  # the token each node's parent wants
+    return _deepest_reached(tree, tree.valid & (tree.tokens == want))
+
+
+def _deepest_reached(tree: DraftTree, edge_taken: torch.Tensor) -> torch.Tensor:
+    """int64 [b]: the deepest node whose root path uses only taken edges (``edge_taken`` bool
+    [b, N]: the edge into each node is taken; the root's entry is ignored)."""
+    blocked = ~edge_taken
+    blocked[:, 0] = False
+    reached = ~(tree.ancestor_mask & blocked.unsqueeze(1)).any(-1)  # [b, N]
+    idx = torch.arange(tree.num_nodes, device=tree.device)
+    return torch.where(reached, idx, torch.zeros_like(idx)).amax(-1)
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """int64 ``x.shape[:-1]``: argmax over the last dimension, ties to the lowest index.
+
+    On CPU float32 / float64 NumPy's vectorised argmax (zero-copy view; measured 5 us against
+    torch's 150 us for [17, 4096] on the development VM); elsewhere ``torch.argmax``. Both return
+    the first maximum (and the first NaN, if any)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        import numpy as np
+
+        return torch.from_numpy(np.ascontiguousarray(np.argmax(x.numpy(), axis=-1)).astype(np.int64, copy=False))
+    return x.argmax(-1)

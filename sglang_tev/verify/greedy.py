@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import DraftTree
-from ._common import child_with_token, follow
+from ._common import argmax_last, follow_tokens
 
 NUM_UNIFORMS = 0
 """Greedy uses no randomness."""
@@ -20,9 +20,9 @@ def greedy_verify(tree: DraftTree, scores: torch.Tensor):
             processed law at T < 1e-5).
     Returns:
         (exit_node int64 [b], bonus int64 [b]).
-    Ties in the argmax go to the lowest id. No host sync.
+    Ties in the argmax go to the lowest id. No host sync; no loop over depths.
     """
-    top = scores.argmax(-1)  # [b, N]
-    exit_node = follow(tree, child_with_token(tree, top))
+    top = argmax_last(scores)  # [b, N]
+    exit_node = follow_tokens(tree, top)
     bonus = torch.gather(top, 1, exit_node.unsqueeze(1)).squeeze(1)
     return exit_node, bonus

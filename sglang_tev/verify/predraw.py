@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import DraftTree
-from ._common import child_with_token, follow, inverse_cdf
+from ._common import follow_tokens, inverse_cdf
 
 
 def num_uniforms(num_nodes: int) -> int:
@@ -27,6 +27,6 @@ def predraw_verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor)
         (exit_node int64 [b], bonus int64 [b]). Cost: one cumulative sum over [b, N, V]. No host sync.
     """
     draws = inverse_cdf(probs, uniforms)  # [b, N]
-    exit_node = follow(tree, child_with_token(tree, draws))
+    exit_node = follow_tokens(tree, draws)
     bonus = torch.gather(draws, 1, exit_node.unsqueeze(1)).squeeze(1)
     return exit_node, bonus

@@ -22,8 +22,8 @@ def sequential_verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tens
     ``uniform[u_j] * (1 - M_{j-1}) < p_j`` (conditional acceptance p_j / (1 - M_{j-1}), Eq. 49).
     If every child is rejected, the bonus is drawn from g^(k) = p_v^res (Eq. 53).
 
-    The per-node decisions are computed for all nodes at once and then followed from the root for
-    ``max_depth`` static steps, so the walk has no data-dependent host loop.
+    The per-node decisions are computed for all nodes at once and the reached chain is read off
+    the ancestor mask (:func:`~sglang_tev.verify._common.follow`), so there is no walk at all.
 
     Args:
         tree: draft trees, N nodes.
