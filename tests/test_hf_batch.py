@@ -182,3 +182,29 @@ def test_static_shapes_give_identical_greedy_output(target):
     assert [r.token_ids for r in res] == [plain_greedy(target, p, m) for p, m in zip(RAGGED, maxes)]
     with pytest.raises(ValueError, match="cuda_graphs"):
         SpeculativeGenerator(target, cuda_graphs=True)
+
+
+def test_kept_tree_mask_equals_the_built_mask(target, monkeypatch):
+    """The tree mask kept in one buffer and updated in place equals the mask built from scratch
+    (static_cache.tree_masks) at every round: ragged rows, slots refilled and rows moved."""
+    from sglang_tev.hf import runtime as rt
+    from sglang_tev.hf.static_cache import tree_masks
+
+    kept = rt._Run._kept_tree_mask
+    calls = []
+
+    def checked(self, tree, kv_len):
+        m = kept(self, tree, kv_len)
+        lens = torch.tensor([r.past_len for r in self.active])
+        assert torch.equal(m, tree_masks(self.g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
+        calls.append(len(self.active))
+        return m
+
+    monkeypatch.setattr(rt._Run, "_kept_tree_mask", checked)
+    d = OracleDrafter(target, V, accuracy=0.7, block_size=8, seed=2)
+    gen = SpeculativeGenerator(target, d)
+    prompts = RAGGED + [[5, 6, 7], [9] * 12]
+    res = gen.generate(prompts, method="tev", budget=12, max_new_tokens=[30, 9, 41, 17, 22, 5], ignore_eos=True,
+                       batch_size=3)
+    assert [r.token_ids for r in res] == [plain_greedy(target, p, m) for p, m in zip(prompts, [30, 9, 41, 17, 22, 5])]
+    assert len(calls) >= 8 and {2, 3} <= set(calls)  # full batches and a shrunk one
