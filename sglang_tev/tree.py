@@ -193,6 +193,9 @@ class DraftTree:
         host-side verifiers and runtimes read it without a transfer. The tensors are the truth:
         do not modify them after calling this."""
         cached = getattr(self, "_host", None)
+        if cached is None and getattr(self, "_host_fn", None) is not None:
+            cached = self._host_fn()  # a builder's cheaper reader of the same lists
+            object.__setattr__(self, "_host", cached)
         if cached is None:
             n_valid = self.valid.sum(1).tolist()
             par, tok = self.parents.tolist(), self.tokens.tolist()

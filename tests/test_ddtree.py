@@ -260,3 +260,17 @@ def test_native_builder_off_or_unbuildable_falls_back(tmp_path):
     t = build_ddtree(torch.randn(2, 5, 300, generator=g), 9, torch.tensor([0, 1]))
     assert outs[0].strip() == f"{t.parents.tolist()} {t.tokens.tolist()}"
     assert not list((tmp_path / "cache").glob("*.so"))  # the failed build left nothing behind
+
+
+def test_host_lists_of_built_trees_equal_the_tensors():
+    """DraftTree.host() of trees from every builder path (native, Python heap, levels) equals
+    the lists read from the tensors."""
+    from sglang_tev import DraftTree
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 6, 200, generator=g) * 3
+    for impl in ("auto", "heap", "levels"):
+        tree = build_ddtree(logits, 11, torch.tensor([5, 6, 7]), impl=impl, depth_limit=torch.tensor([6, 1, 0]))
+        fresh = DraftTree(tree.parents, tree.tokens, tree.valid, tree.depth, tree.ancestor_mask, tree.max_depth)
+        assert tree.host() == fresh.host(), impl
+        assert [len(p) for p in fresh.host()[0]] == tree.valid.sum(1).tolist() == [12, 12, 1]

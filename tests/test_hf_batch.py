@@ -208,3 +208,29 @@ def test_kept_tree_mask_equals_the_built_mask(target, monkeypatch):
                        batch_size=3)
     assert [r.token_ids for r in res] == [plain_greedy(target, p, m) for p, m in zip(prompts, [30, 9, 41, 17, 22, 5])]
     assert len(calls) >= 8 and {2, 3} <= set(calls)  # full batches and a shrunk one
+
+
+def test_compact_one_row_fast_path_equals_the_gather():
+    """StaticKVCache.compact with dst_start (index_select + slice copy) moves the same K/V as the
+    batched gather/scatter, overlapping ranges included."""
+    from sglang_tev.hf.static_cache import StaticKVCache
+
+    caches = []
+    for _ in range(2):
+        c = StaticKVCache(3, 24, 2, "cpu", torch.float32)
+        c.begin(slice(0, 3), 0, 24)
+        for layer in range(2):
+            k = torch.randn(3, 2, 24, 4, generator=torch.Generator().manual_seed(layer))
+            c.update(k, k + 1, layer)
+        caches.append(c)
+    src = torch.tensor([[10, 11, 13, 16, 20]])  # slots 10 + path [0, 1, 3, 6, 10]
+    caches[0].compact(slice(1, 2), src, torch.arange(10, 15).view(1, 5), dst_start=10)
+    caches[1].compact(slice(1, 2), src, torch.arange(10, 15).view(1, 5))
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    before = StaticKVCache(3, 24, 2, "cpu", torch.float32)
+    before.begin(slice(0, 3), 0, 24)
+    for layer in range(2):
+        k = torch.randn(3, 2, 24, 4, generator=torch.Generator().manual_seed(layer))
+        before.update(k, k + 1, layer)
+    assert torch.equal(caches[0].kv[:, :, 1, :, 10:15], before.kv[:, :, 1, :, [10, 11, 13, 16, 20]])
+    assert torch.equal(caches[0].kv[:, :, [0, 2]], before.kv[:, :, [0, 2]])  # other rows untouched

@@ -275,8 +275,19 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch):
         assert torch.equal(getattr(host, f), getattr(dev, f)), f
         assert getattr(host, f).dtype == getattr(dev, f).dtype, f
     assert int(host.accept_len.max()) >= 2
-    extra = torch.randn(tree.batch_size, 3)
-    a, b = host.host(tree, extra), dev.host(tree, extra)
-    assert a == b
-    assert a.tree_nodes == [12, 1, 9, 5] and a.extra == extra.double().tolist()
+    import dataclasses
+
+    a, b = host.host(tree, row_max_of=logits), dev.host(tree, row_max_of=logits)
+    assert dataclasses.replace(a, row_max=None) == dataclasses.replace(b, row_max=None) == host.host(tree)
+    bad = logits.clone()
+    bad[2, 4, 1] = float("nan")  # the row max reports it, on either path
+    bad[3, 0, :] = float("-inf")
+    outs = [verify_tree(tree, bad, "tev", sampling=greedy, validate=False)]
+    monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 4096)
+    outs.append(verify_tree(tree, bad, "tev", sampling=greedy, validate=False))
+    nan_safe = lambda rows: [[x if x == x else "nan" for x in row] for row in rows]  # noqa: E731
+    want = nan_safe(bad.amax(-1).double().tolist())
+    assert [nan_safe(o.host(tree, row_max_of=bad).row_max) for o in outs] == [want, want]
+    assert want[2][4] == "nan" and want[3][0] == float("-inf")
+    assert a.tree_nodes == [12, 1, 9, 5]
     assert a.path_tokens == [[int(tree.tokens[r, v]) for v in p] for r, p in enumerate(a.paths)]

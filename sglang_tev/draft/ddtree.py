@@ -324,7 +324,16 @@ def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit,
             ints[3 * b * n:].data_ptr())
     if md < 0:
         raise MemoryError(f"the native DDTree builder failed (status {md})")
-    return DraftTree(parents, tokens, valid, depth, anc, int(md))
+    tree = DraftTree(parents, tokens, valid, depth, anc, int(md))
+
+    def host_lists():  # DraftTree.host() in one read: parents | tokens | depth | counts are one buffer
+        flat = ints.tolist()
+        counts = flat[3 * b * n:]
+        return ([flat[r * n: r * n + counts[r]] for r in range(b)],
+                [flat[(b + r) * n: (b + r) * n + counts[r]] for r in range(b)])
+
+    object.__setattr__(tree, "_host_fn", host_lists)
+    return tree
 
 
 def _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:

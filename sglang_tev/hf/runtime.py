@@ -574,9 +574,9 @@ class _Run:
         sampling = self._row_sampling()
         vout = verify_tree(tree, logits, method=self.vmethod, sampling=sampling, uniforms=self._uniforms(n),
                            validate=False)
-        # amax is NaN for a row holding a NaN, +inf with a +inf, -inf when all are -inf
-        dec = vout.host(tree, extra=logits.amax(-1))  # the one host sync of the round
-        for i, (row_max, m) in enumerate(zip(dec.extra, dec.tree_nodes)):
+        # the row max is NaN for a row holding a NaN, +inf with a +inf, -inf when all are -inf
+        dec = vout.host(tree, row_max_of=logits)  # the one host sync of the round
+        for i, (row_max, m) in enumerate(zip(dec.row_max, dec.tree_nodes)):
             bad = [v for v in range(m) if not math.isfinite(row_max[v])]
             if bad:
                 r = self.active[i]
@@ -605,7 +605,10 @@ class _Run:
             if not in_place:  # rows with shorter paths move their own slots onto themselves
                 src = torch.tensor([p + list(range(len(p), w)) for p in paths], dtype=torch.int64, device=self.dev)
                 if w > 1:
-                    self.cache.compact(sl, (lens.view(b, 1) + src) if b > 1 else src + self.active[0].past_len, dst)
+                    if b == 1:
+                        self.cache.compact(sl, src + self.active[0].past_len, dst, dst_start=self.active[0].past_len)
+                    else:
+                        self.cache.compact(sl, lens.view(b, 1) + src, dst)
             if feats is not None:
                 ctx = feats[:, :w] if src is None else feats.gather(1, src.unsqueeze(-1).expand(b, w, feats.shape[-1]))
                 self.pending_ctx = (sl, ctx, dst)

@@ -135,13 +135,19 @@ class StaticKVCache:
         return out + [(b, 1) for b in self.extra.values()]
 
     # --------------------------------------------------------------- the runtime's side
-    def compact(self, rows: slice, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def compact(self, rows: slice, src: torch.Tensor, dst: torch.Tensor, dst_start: int | None = None) -> None:
         """Move slots ``src`` [b, W] to ``dst`` [b, W] of ``rows`` in every layer, keys and values
         at once: one gather and one scatter over the joint buffer (the gather copies first, so
-        overlapping ranges are safe)."""
+        overlapping ranges are safe). ``dst_start``: for one row whose ``dst`` is the slots
+        ``[dst_start, dst_start + W)``, an index_select and a slice copy instead."""
+        b, w = src.shape
+        if dst_start is not None and b == 1:
+            for buf, lead in self._buffers():
+                x = buf[(slice(None),) * lead + (rows.start,)]  # [..., kv_heads, max_len, head_dim]
+                x[..., dst_start: dst_start + w, :] = x.index_select(lead + 1, src[0])
+            return
         for buf, lead in self._buffers():
             x = buf[(slice(None),) * lead + (rows,)]
-            b, w = src.shape
             shape = (*x.shape[:lead], b, x.shape[lead + 1], w, x.shape[-1])
             view = (1,) * lead + (b, 1, w, 1)
             moved = x.gather(lead + 2, src.view(view).expand(shape))

@@ -32,7 +32,6 @@ from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_pr
 from ..tree import DraftTree, edge_probs, exit_law_from_edges
 from . import predraw as _predraw
 from . import sequential as _sequential
-from ._common import argmax_last
 from .greedy import greedy_verify
 from .predraw import predraw_verify
 from .sequential import sequential_verify
@@ -63,7 +62,9 @@ class HostDecision:
         accept_len, bonus: per tree, as :class:`VerifyOutput`.
         coverage: per tree, C_p as a float.
         tree_nodes: per tree, the valid nodes (root included).
-        extra: the rows of the ``extra`` tensor passed to :meth:`VerifyOutput.host`, or None.
+        row_max: per tree and node, the max of that node's logits row (NaN when the row holds a
+            NaN, +inf with a +inf, -inf when all are -inf: what a finiteness check needs), when
+            asked for with ``row_max_of``; else None.
     """
 
     paths: list
@@ -72,12 +73,11 @@ class HostDecision:
     bonus: list
     coverage: list
     tree_nodes: list
-    extra: list | None = None
+    row_max: list | None = None
 
 
-@dataclass(frozen=True)
 class VerifyOutput:
-    """Result of verifying a batch of trees.
+    """Result of verifying a batch of trees (read-only).
 
     Attributes:
         path: int64 [b, N], accepted node indices root-first, -1 padded (static width).
@@ -86,36 +86,70 @@ class VerifyOutput:
         exit_node: int64 [b], the last accepted node.
         coverage: float [b], the target coverage C_p of each tree under the processed target
             law (E[accept_len], paper Eq. 6); an extra the runtimes report.
+
+    A verifier that decided on the host (greedy on CPU) keeps its Python lists and builds these
+    tensors only when one is read; :meth:`host` then costs nothing.
     """
 
-    path: torch.Tensor
-    accept_len: torch.Tensor
-    bonus: torch.Tensor
-    exit_node: torch.Tensor
-    coverage: torch.Tensor
+    __slots__ = ("_tensors", "_host", "_shape")
+    _FIELDS = ("path", "accept_len", "bonus", "exit_node", "coverage")
 
-    def host(self, tree: DraftTree, extra: torch.Tensor | None = None) -> HostDecision:
-        """The decision on the host, in ONE device-to-host transfer (none of the decision's own
-        when the verifier walked on the host: its lists are kept).
+    def __init__(self, path: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor, exit_node: torch.Tensor,
+                 coverage: torch.Tensor) -> None:
+        self._tensors = (path, accept_len, bonus, exit_node, coverage)
+        self._host = None
+        self._shape = None
+
+    @classmethod
+    def _from_host(cls, decision: tuple, width: int, coverage_dtype: torch.dtype) -> "VerifyOutput":
+        """From host lists (paths, path_tokens, accept_len, bonus, coverage, tree_nodes, row_max)."""
+        out = cls.__new__(cls)
+        out._tensors, out._host, out._shape = None, decision, (width, coverage_dtype)
+        return out
+
+    def _materialise(self) -> tuple:
+        if self._tensors is None:
+            paths, _, acc, bonus = self._host[:4]
+            n, cover_dt = self._shape
+            path = torch.tensor([p + [-1] * (n - len(p)) for p in paths], dtype=torch.int64)
+            acc_t, bonus_t, exit_t = torch.tensor([acc, bonus, [p[-1] for p in paths]], dtype=torch.int64)
+            self._tensors = (path, acc_t, bonus_t, exit_t, acc_t.to(cover_dt))
+        return self._tensors
+
+    path = property(lambda self: self._materialise()[0])
+    accept_len = property(lambda self: self._materialise()[1])
+    bonus = property(lambda self: self._materialise()[2])
+    exit_node = property(lambda self: self._materialise()[3])
+    coverage = property(lambda self: self._materialise()[4])
+
+    def __iter__(self):
+        return iter(self._materialise())
+
+    def __repr__(self) -> str:
+        return "VerifyOutput(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS) + ")"
+
+    def host(self, tree: DraftTree, row_max_of: torch.Tensor | None = None) -> HostDecision:
+        """The decision on the host, in ONE device-to-host transfer (none when the verifier
+        decided on the host: its lists are kept).
 
         Args:
             tree: the tree this output verifies (its tokens give ``path_tokens``).
-            extra: optional float or bool [b, E] to read back in the same transfer (a runtime's
-                per-node flags, say); returned as ``HostDecision.extra`` rows of floats.
+            row_max_of: optional float [b, N, V], the logits that were verified: each node row's
+                max comes back in the same transfer (the host verifier's own, read at its argmax).
         Returns:
             :class:`HostDecision`.
         """
-        kept = getattr(self, "_host", None)
-        if kept is not None:
-            rows = None if extra is None else extra.to(torch.float64).tolist()
-            return HostDecision(*kept, extra=rows)
-        b, n = self.path.shape
-        path_tokens = torch.gather(tree.tokens, 1, self.path.clamp(min=0))
-        ints = torch.cat([self.path, path_tokens, self.accept_len.view(b, 1), self.bonus.view(b, 1),
+        if self._host is not None:
+            kept = self._host
+            return HostDecision(*kept[:6], row_max=None if row_max_of is None else kept[6])
+        path, accept_len, bonus, _, coverage = self._tensors
+        b, n = path.shape
+        path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))
+        ints = torch.cat([path, path_tokens, accept_len.view(b, 1), bonus.view(b, 1),
                           tree.valid.sum(1, keepdim=True)], 1)
-        parts = [ints.to(torch.float64), self.coverage.view(b, 1).to(torch.float64)]  # ids < 2^53: exact
-        if extra is not None:
-            parts.append(extra.reshape(b, -1).to(torch.float64))
+        parts = [ints.to(torch.float64), coverage.view(b, 1).to(torch.float64)]  # ids < 2^53: exact
+        if row_max_of is not None:
+            parts.append(row_max_of.amax(-1).to(torch.float64))
         rows = torch.cat(parts, 1).tolist()  # the one transfer
         acc = [int(h[2 * n]) for h in rows]
         return HostDecision(
@@ -125,7 +159,7 @@ class VerifyOutput:
             bonus=[int(h[2 * n + 1]) for h in rows],
             coverage=[h[2 * n + 3] for h in rows],
             tree_nodes=[int(h[2 * n + 2]) for h in rows],
-            extra=None if extra is None else [h[2 * n + 4:] for h in rows],
+            row_max=None if row_max_of is None else [h[2 * n + 4:] for h in rows],
         )
 
 
@@ -267,11 +301,12 @@ tree's lists. Larger batches (and every other device) use the tensor walk
 
 def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
     """Argmax-follow with the walk in Python: on CPU each small tensor op costs more than this
-    whole walk (caches are cold after the target forward). Keeps the lists for :meth:`VerifyOutput.host`."""
+    whole walk (caches are cold after the target forward). Keeps the lists (and every row's max,
+    read at its argmax) for :meth:`VerifyOutput.host`; tensors are built only if read."""
     b, n = tree.batch_size, tree.num_nodes
-    top = argmax_last(logits).tolist()
+    top, row_max = _argmax_and_max(logits)
     parents, tokens = tree.host()
-    paths, path_tokens, acc, bonus, last = [], [], [], [], []
+    paths, path_tokens, acc, bonus = [], [], [], []
     for r in range(b):
         par, tok, tp = parents[r], tokens[r], top[r]
         child = {(par[i] << 32) | tok[i]: i for i in range(1, len(par))}
@@ -285,14 +320,22 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
         path_tokens.append([tok[i] for i in path])
         acc.append(len(path) - 1)
         bonus.append(tp[cur])
-        last.append(cur)
-    path_t = torch.tensor([p + [-1] * (n - len(p)) for p in paths], dtype=torch.int64)
-    acc_t, bonus_t, exit_t = torch.tensor([acc, bonus, last], dtype=torch.int64)
     cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    out = VerifyOutput(path_t, acc_t, bonus_t, exit_t, acc_t.to(cover_dt))
-    object.__setattr__(out, "_host", (paths, path_tokens, acc, bonus, [float(a) for a in acc],
-                                      [len(p) for p in parents]))
-    return out
+    return VerifyOutput._from_host((paths, path_tokens, acc, bonus, [float(a) for a in acc],
+                                    [len(p) for p in parents], row_max), n, cover_dt)
+
+
+def _argmax_and_max(logits: torch.Tensor) -> tuple[list, list]:
+    """Per node row: the argmax (lowest id among ties) and the value there, which is the row's
+    max (NaN if the row holds a NaN: NumPy's and torch's argmax return the first NaN), as lists."""
+    if logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        import numpy as np
+
+        x = logits.numpy()
+        top = np.argmax(x, axis=-1)
+        return top.tolist(), np.take_along_axis(x, top[..., None], -1)[..., 0].tolist()
+    top = logits.argmax(-1)
+    return top.tolist(), logits.gather(-1, top.unsqueeze(-1)).squeeze(-1).float().tolist()
 
 
 def _use_kernel(backend: str | None, method: str, logits) -> bool:
