@@ -6,8 +6,17 @@ context features -> ``fc`` -> ``hidden_norm`` -> per-layer K/V (k_norm + RoPE) w
 their positions; one block ``[root, MASK x H]`` per row attends, bidirectionally, to its row's
 context and the block. Rows of different lengths share one forward: per layer the keys and values
 live in ``[rows, kv_heads, max_len + K + 1, head_dim]`` buffers (slot = position) and a mask
-hides everything past a row's context + block. The block's own K/V are written after the
-context and are overwritten by the next round's context; no ``torch.cat``, no crop.
+hides everything past a row's context + block. The block's own K/V are written at the block's
+slots (past the context) and are overwritten by the next round's context; no crop.
+
+Besides the matmuls, every small op costs (tens of microseconds in situ on a CPU), so, as the
+DDTree reference does, a round's new context is not projected on its own: :meth:`add_context`
+defers a short context (at most ``block_size`` positions, a commit's accepted path) and the next
+:meth:`StaticDFlashDrafter.draft_rows` over the same rows projects the context rows and the block
+rows with one ``k_proj`` / ``v_proj`` / ``k_norm`` / RoPE per layer over ``[context ; block]``
+and writes both with one scatter per buffer (context padding that falls on the block's slots is
+sent to the buffers' last slot, which is never read, so no read slot is a target twice).
+RoPE cos/sin come from a table built per generation call, as does the MASK token's embedding.
 """
 
 from __future__ import annotations
@@ -15,9 +24,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..draft.dflash import DFlashDraftModel, _apply_rope
+from ..draft.dflash import DFlashDraftModel
 
 __all__ = ["StaticDFlashDrafter"]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``dflash._apply_rope`` with the sign of the rotation folded into ``sin_signed`` (= sin with
+    its first half negated): the same products and sum, one op fewer. x: [b, h, T, d]; cos,
+    sin_signed: [b, 1, T, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin_signed
 
 
 class StaticDFlashDrafter:
@@ -40,85 +57,172 @@ class StaticDFlashDrafter:
         self.target_layer_ids = tuple(model.target_layer_ids)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._inv_freq: torch.Tensor | None = None
+        self._pending: tuple[slice, torch.Tensor, torch.Tensor] | None = None  # a deferred add_context
+        self._tables_key = None
+        self._cos = self._sin = self._arange = self._mask_embed = None
 
-    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [b, T, head_dim] as ``dflash._rope`` (default RoPE), its inverse frequencies
-        computed once."""
+    # ------------------------------------------------------------------ per-call tables
+    def _tables(self, device, dtype) -> None:
+        """RoPE cos and sign-folded sin [S, head_dim] for every slot position ``0 .. S-1``
+        (``dflash._rope``'s values: default RoPE, computed in float32, cast to ``dtype``),
+        ``arange(S)`` and the MASK token's embedding [1, 1, H]; built by :meth:`start`, rebuilt
+        when the buffers' slot count, device or dtype change."""
+        slots = self.keys[0].shape[2]
+        key = (slots, torch.device(device), dtype)
+        if self._tables_key == key:
+            return
         cfg = self.model.config
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=positions.device,
-                                                                    dtype=torch.float) / cfg.head_dim))
-        freqs = positions[..., None].float() * self._inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device,
+                                                          dtype=torch.float) / cfg.head_dim))
+        self._arange = torch.arange(slots, device=device)
+        freqs = self._arange[:, None].float() * inv_freq  # [S, d/2]
+        self._cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)
+        sin = freqs.sin()
+        self._sin = torch.cat([-sin, sin], dim=-1).to(dtype)
+        with torch.inference_mode():
+            mask_id = torch.tensor([[cfg.mask_token_id]], dtype=torch.int64, device=device)
+            self._mask_embed = self.embed(mask_id).to(dtype)
+        self._tables_key = key
+
+    def _rope(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sign-folded sin [b, 1, T, head_dim] of slot positions ``index`` int64 [b, T]."""
+        return self._cos[index][:, None], self._sin[index][:, None]
 
     def start(self, rows: int, max_len: int, device) -> None:
+        """New generation call (flushes a deferred context first, then (re)allocates the buffers
+        ``[rows, kv_heads, max_len + K + 1, head_dim]`` per layer; the last slot is never read:
+        context padding that would land on a block slot is sent there by the fused scatter)."""
+        self._flush()
         cfg = self.model.config
         dtype = self.model.fc.weight.dtype
         shape = (rows, cfg.num_key_value_heads, max_len + self.block_size + 1, cfg.head_dim)
         if not self.keys or self.keys[0].shape != shape or self.keys[0].device != torch.device(device):
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.model.layers]
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.model.layers]
+        self._tables_key = None  # rebuilt for every call: the embedding may have changed in between
+        self._tables(device, dtype)
+
+    # ------------------------------------------------------------------ context
+    def add_context(self, rows: slice, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Context features float [b, T, F] (target layer outputs, concatenated) of ``rows``, to be
+        projected to every layer's context K/V at ``positions`` int64 [b, T].
+
+        Deferred when ``T <= block_size`` (a commit's path): the tensors are kept (not copied;
+        the caller must not modify them) and the next :meth:`draft_rows` over the same ``rows``
+        projects them together with its block. Any other call that reads or moves the buffers
+        (:meth:`move_row`, :meth:`context_kv`, :meth:`start`, another ``add_context``, or a
+        ``draft_rows`` over other rows) writes them first. A longer context (a prefill) is
+        written now, so its cost stays with the prefill."""
+        self._flush()
+        if features.dim() == 3 and features.shape[1] <= self.block_size:
+            self._pending = (rows, features, positions)
+        else:
+            self._write_context(rows, features, positions)
+
+    def _flush(self) -> None:
+        """Write a deferred context now."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._write_context(*pending)
 
     @torch.inference_mode()
-    def add_context(self, rows: slice, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Project features float [b, T, F] (target layer outputs, concatenated) to every layer's
-        context K/V and write them at ``positions`` int64 [b, T]."""
+    def _write_context(self, rows: slice, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """The unfused context projection: fc -> hidden_norm -> per layer k_proj/v_proj/k_norm/RoPE,
+        scattered at ``positions`` [b, T]."""
         m = self.model
         dtype = m.fc.weight.dtype
+        self._tables(features.device, dtype)
         ctx = m.hidden_norm(m.fc(features.to(dtype)))
-        cos, sin = self._rope(positions, dtype)
+        b, t, _ = ctx.shape
+        cos, sin = self._rope(positions)
         idx = positions[:, None, :, None]
         for layer, kb, vb in zip(m.layers, self.keys, self.values):
-            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(b, t, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+            k = _rotate(k, cos, sin)
+            v = attn.v_proj(ctx).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
             kb[rows].scatter_(2, idx.expand_as(k), k)
             vb[rows].scatter_(2, idx.expand_as(v), v)
 
+    # ------------------------------------------------------------------ draft
     @torch.inference_mode()
     def draft_rows(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, tokens: torch.Tensor,
                    depth: int, max_root_pos: int) -> torch.Tensor:
-        """float32 [b, depth, V]: row j = draft logits of depth j + 1 (see the module docstring)."""
+        """float32 [b, depth, V]: row j = draft logits of depth j + 1 (see the module docstring).
+
+        A context deferred by :meth:`add_context` for the same ``rows`` is projected here, fused
+        with the block ([context ; block] rows per layer); one for other rows is written first."""
         m = self.model
-        cfg = m.config
         b, k_blk = roots.shape[0], depth + 1
-        dev = roots.device
         dtype = m.fc.weight.dtype
-        block = torch.full((b, k_blk), cfg.mask_token_id, dtype=torch.int64, device=dev)
-        block[:, 0] = roots
-        pos = root_pos.view(b, 1) + torch.arange(k_blk, device=dev)  # [b, K']
-        cos, sin = self._rope(pos, dtype)
+        pending = self._pending
+        if pending is not None and pending[0] != rows:
+            self._flush()
+            pending = None
+        self._pending = None
+        self._tables(roots.device, dtype)
+        slots = self.keys[0].shape[2]
         kv_len = max_root_pos + k_blk
+        if kv_len > slots - 1:
+            raise ValueError(f"max_root_pos + depth + 1 = {kv_len} exceeds the buffers' {slots - 1} readable slots")
+        rp = root_pos.view(b, 1)
+        pos = rp + self._arange[:k_blk]  # [b, K'] block positions
+        if pending is not None:
+            _, features, ctx_pos = pending
+            ctx = m.hidden_norm(m.fc(features.to(dtype)))  # [b, T, H]
+            t = ctx.shape[1]
+            # context slots at or past the root are padding; the block owns them: send them to the
+            # never-read last slot so that one scatter writes context and block without duplicates
+            idx = torch.cat([torch.where(ctx_pos < rp, ctx_pos, slots - 1), pos], dim=1)  # [b, T + K']
+        else:
+            ctx, t, idx = None, 0, pos
+        cos, sin = self._rope(idx)  # [b, 1, T + K', d]; padding rows get the last slot's (unread)
+        cos_q, sin_q = cos[:, :, t:], sin[:, :, t:]
+        n = t + k_blk
         # a row sees its context [0, root_pos) and its block [root_pos, root_pos + K')
         mask = None
         if b > 1:
-            mask = (torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len) < (pos[:, -1] + 1).view(b, 1, 1, 1))
-        idx = pos[:, None, :, None]
-        h = self.embed(block).to(dtype)
+            mask = self._arange[:kv_len] < (root_pos.view(b, 1, 1, 1) + k_blk)  # [b, 1, 1, kv_len]
+        one_slice = b == 1 and ctx is None  # block only, contiguous: a slice copy
+        sidx = None if one_slice else idx[:, None, :, None]
+        h = torch.cat([self.embed(roots.view(b, 1)).to(dtype), self._mask_embed.expand(b, depth, -1)], dim=1)
         for layer, kb, vb in zip(m.layers, self.keys, self.values):
             attn = layer.self_attn
+            nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
             x = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(x).view(b, k_blk, attn.num_heads, attn.head_dim)).transpose(1, 2)
-            q = _apply_rope(q, cos, sin)
-            k, v = attn.project_kv(x, cos, sin)
+            q = attn.q_norm(attn.q_proj(x).view(b, k_blk, nh, hd)).transpose(1, 2)
+            q = _rotate(q, cos_q, sin_q)
+            kv_in = x if ctx is None else torch.cat([ctx, x], dim=1)  # [b, T + K', H]
+            k = attn.k_norm(attn.k_proj(kv_in).view(b, n, nkv, hd)).transpose(1, 2)
+            k = _rotate(k, cos, sin)
+            v = attn.v_proj(kv_in).view(b, n, nkv, hd).transpose(1, 2)
             kr, vr = kb[rows], vb[rows]
-            kr.scatter_(2, idx.expand_as(k), k)
-            vr.scatter_(2, idx.expand_as(v), v)
+            if one_slice:
+                kr[:, :, max_root_pos: kv_len] = k
+                vr[:, :, max_root_pos: kv_len] = v
+            else:
+                kr.scatter_(2, sidx.expand_as(k), k)
+                vr.scatter_(2, sidx.expand_as(v), v)
             out = F.scaled_dot_product_attention(q, kr[:, :, :kv_len], vr[:, :, :kv_len], attn_mask=mask,
-                                                 scale=attn.head_dim ** -0.5,
-                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
+                                                 scale=hd ** -0.5, enable_gqa=nh != nkv)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(b, k_blk, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = m.norm(h)[:, 1:]
+        h = m.norm(h[:, 1:])  # row-wise: the root slot's output is not needed
         head_w = getattr(self.lm_head, "weight", None)
         if isinstance(head_w, torch.Tensor):
             h = h.to(head_w.dtype)
         return self.lm_head(h).float()
 
+    # ------------------------------------------------------------------ buffers
     def move_row(self, src: int, dst: int, length: int) -> None:
+        """Row ``src``'s first ``length`` context positions become row ``dst``'s (after writing a
+        deferred context)."""
+        self._flush()
         for buf in (*self.keys, *self.values):
             buf[dst, :, :length] = buf[src, :, :length]
 
     def context_kv(self, row: int, length: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(k, v)`` [1, kv_heads, length, head_dim] of one row's cached context (tests)."""
+        """Views ``(k, v)`` [1, kv_heads, length, head_dim] of one row's cached context (tests);
+        a deferred context is written first."""
+        self._flush()
         return self.keys[layer][row: row + 1, :, :length], self.values[layer][row: row + 1, :, :length]

@@ -1,0 +1,198 @@
+"""StaticDFlashDrafter's deferred context: the fused [context ; block] projection in draft_rows
+gives the draft logits and context K/V of an eager add_context + block-only forward and of the
+one-sequence DFlashDraftModel.draft_logits; a pending context is written before anything reads
+or moves the buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hf_runtime import dflash_for, qwen3
+
+from sglang_tev.hf.dflash_runner import StaticDFlashDrafter
+
+K = 6
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = qwen3(0)
+    return target, dflash_for(target, seed=2, block_size=K, num_hidden_layers=2)
+
+
+class Sim:
+    """Rows of random context features, drafted by a fused drafter, an eager one (context written
+    at once, block-only forward) and one reference DFlashDraftCache per row."""
+
+    def __init__(self, pair, lens, seed=0, max_len=80):
+        self.target, self.dm = pair
+        self.g = torch.Generator().manual_seed(seed)
+        self.F = self.dm.fc.in_features
+        self.fused = StaticDFlashDrafter(self.dm, self.target)
+        self.eager = StaticDFlashDrafter(self.dm, self.target)
+        for d in (self.fused, self.eager):
+            d.start(len(lens), max_len, "cpu")
+        self.hist = [self.feats(n) for n in lens]  # row r's committed context features [len_r, F]
+        self.fed = [0] * len(lens)  # how many the reference cache of row r has seen
+        self.caches = [self.dm.new_cache() for _ in lens]
+        t = max(lens)
+        feats = torch.stack([torch.cat([h, self.feats(t - len(h))]) for h in self.hist])  # padded
+        self.add(slice(0, len(lens)), feats, torch.arange(t).expand(len(lens), t))
+
+    def feats(self, n):
+        return torch.randn(n, self.F, generator=self.g)
+
+    def add(self, rows, feats, pos):
+        for d in (self.fused, self.eager):
+            d.add_context(rows, feats, pos)
+        self.eager._flush()
+        assert self.eager._pending is None
+
+    def draft(self, rows=None):
+        b = len(self.hist)
+        rows = slice(0, b) if rows is None else rows
+        lens = [len(h) for h in self.hist]
+        roots = torch.randint(0, self.target.config.vocab_size - 1, (b,), generator=self.g)
+        root_pos = torch.tensor(lens)
+        got = self.fused.draft_rows(rows, roots, root_pos, None, K - 1, max(lens))
+        assert self.fused._pending is None
+        eager = self.eager.draft_rows(rows, roots, root_pos, None, K - 1, max(lens))
+        torch.testing.assert_close(got, eager, **TOL)
+        with torch.inference_mode():
+            for r in range(b):
+                new = self.hist[r][self.fed[r]:][None]
+                want = self.dm.draft_logits(self.target.get_input_embeddings(), self.target.get_output_embeddings(),
+                                            roots[r: r + 1], lens[r], new, self.caches[r], block_size=K)
+                self.fed[r] = lens[r]
+                torch.testing.assert_close(got[r: r + 1], want, **TOL)
+        return got
+
+    def commit(self, accepted):
+        """Row r accepts ``accepted[r]`` drafts: a path of accepted + 1 features, padded to the
+        widest (the padding lands on slots of the next block)."""
+        b = len(self.hist)
+        w = max(accepted) + 1
+        lens = torch.tensor([len(h) for h in self.hist])
+        feats = torch.stack([self.feats(w) for _ in range(b)])
+        for r in range(b):
+            self.hist[r] = torch.cat([self.hist[r], feats[r, : accepted[r] + 1]])
+        self.add(slice(0, b), feats, lens[:, None] + torch.arange(w))
+
+    def check_kv(self, drafter):
+        """Every row's cached context K/V equal the one-sequence projection of its history."""
+        with torch.inference_mode():
+            for r, h in enumerate(self.hist):
+                want = self.dm._project_context(h[None], torch.arange(len(h)), 1)
+                for layer in range(len(self.dm.layers)):
+                    k, v = drafter.context_kv(r, len(h), layer)
+                    torch.testing.assert_close(k, want[layer][0], **TOL)
+                    torch.testing.assert_close(v, want[layer][1], **TOL)
+
+    def retire(self, slot):
+        """Row ``slot`` leaves; the last row moves into it (as the runtime's _retire)."""
+        last = len(self.hist) - 1
+        if slot != last:
+            for d in (self.fused, self.eager):
+                d.move_row(last, slot, len(self.hist[last]))
+            self.hist[slot], self.fed[slot], self.caches[slot] = self.hist[last], self.fed[last], self.caches[last]
+        for lst in (self.hist, self.fed, self.caches):
+            lst.pop()
+
+
+def test_fused_single_row_equals_eager_and_reference(pair):
+    sim = Sim(pair, [9])
+    for acc in [0, 3, K - 1, 1, 2]:
+        sim.draft()
+        sim.commit([acc])
+        assert sim.fused._pending is not None  # deferred: a path is at most K wide
+    sim.draft()
+    sim.check_kv(sim.fused)
+
+
+def test_fused_ragged_rows_with_move_row_between(pair):
+    sim = Sim(pair, [5, 13, 8], seed=1)
+    sim.draft()
+    for accepted in [[0, 4, 2], [K - 1, 0, 1], [2, 2, 0]]:
+        sim.commit(accepted)
+        sim.draft()
+    sim.commit([1, 3, 0])
+    sim.retire(0)  # move_row flushes the pending context before moving row 2's K/V into slot 0
+    assert sim.fused._pending is None
+    sim.draft()
+    sim.commit([4, 1])
+    sim.draft()
+    sim.check_kv(sim.fused)
+    sim.check_kv(sim.eager)
+
+
+def test_context_for_other_rows_is_written_before_the_draft(pair):
+    """A refilled slot: add_context for rows 1:2 only, then draft_rows over 0:2."""
+    sim = Sim(pair, [7, 4], seed=2)
+    sim.draft()
+    sim.commit([2, 1])
+    sim.draft()
+    new = sim.feats(3)
+    sim.hist[1] = torch.cat([sim.hist[1], new])
+    pos = torch.tensor([[len(sim.hist[1]) - 3 + i for i in range(3)]])
+    sim.add(slice(1, 2), new[None], pos)
+    assert sim.fused._pending is not None
+    sim.draft()
+    sim.check_kv(sim.fused)
+
+
+def test_pending_context_flushed_by_context_kv_and_move_row(pair):
+    target, dm = pair
+    d = StaticDFlashDrafter(dm, target)
+    d.start(2, 40, "cpu")
+    feats = torch.randn(1, 4, dm.fc.in_features, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = dm._project_context(feats, torch.arange(4), 1)
+    d.add_context(slice(0, 1), feats, torch.arange(4)[None])
+    assert d._pending is not None
+    k, v = d.context_kv(0, 4, 1)  # flushes
+    assert d._pending is None
+    torch.testing.assert_close(k, want[1][0], **TOL)
+    torch.testing.assert_close(v, want[1][1], **TOL)
+    d.start(2, 40, "cpu")  # same shape: the buffers are kept
+    for buf in (*d.keys, *d.values):
+        buf.zero_()
+    d.add_context(slice(0, 1), feats, torch.arange(4)[None])
+    d.move_row(0, 1, 4)
+    for layer in range(len(dm.layers)):
+        torch.testing.assert_close(d.keys[layer][1:2, :, :4], want[layer][0], **TOL)
+        torch.testing.assert_close(d.values[layer][1:2, :, :4], want[layer][1], **TOL)
+    # a second add_context writes the first; start writes a pending one too
+    d.add_context(slice(1, 2), feats, torch.arange(4)[None] + 4)
+    d.add_context(slice(0, 1), feats, torch.arange(4)[None] + 4)
+    assert d._pending[0] == slice(0, 1)
+    shifted = _shifted(dm, feats, 4)
+    torch.testing.assert_close(d.keys[0][1:2, :, 4:8], shifted[0][0], **TOL)
+    d.start(2, 40, "cpu")
+    assert d._pending is None
+    torch.testing.assert_close(d.keys[0][0:1, :, 4:8], shifted[0][0], **TOL)
+
+
+def _shifted(dm, feats, start):
+    with torch.inference_mode():
+        return dm._project_context(feats, torch.arange(feats.shape[1]) + start, 1)
+
+
+def test_fused_draft_writes_the_context(pair):
+    """Fails if draft_rows used the deferred context for its logits but never stored its K/V."""
+    target, dm = pair
+    d = StaticDFlashDrafter(dm, target)
+    d.start(1, 40, "cpu")
+    g = torch.Generator().manual_seed(7)
+    hist = torch.randn(1, 10, dm.fc.in_features, generator=g)
+    d.add_context(slice(0, 1), hist[:, :7], torch.arange(7)[None])  # a prefill: written at once
+    assert d._pending is None
+    d.add_context(slice(0, 1), hist[:, 7:], torch.arange(7, 10)[None])
+    assert d._pending is not None
+    d.draft_rows(slice(0, 1), torch.tensor([3]), torch.tensor([10]), None, K - 1, 10)
+    assert d._pending is None
+    with torch.inference_mode():
+        want = dm._project_context(hist, torch.arange(10), 1)
+    for layer in range(len(dm.layers)):
+        torch.testing.assert_close(d.keys[layer][:, :, :10], want[layer][0], **TOL)
+        torch.testing.assert_close(d.values[layer][:, :, :10], want[layer][1], **TOL)
