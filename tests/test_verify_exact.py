@@ -256,38 +256,52 @@ def test_loop_free_follow_equals_a_walk(seed):
     assert torch.equal(argmax_last(x[:, ::2, 1:]), x[:, ::2, 1:].argmax(-1))  # strided view
 
 
-def test_greedy_host_walk_equals_tensor_walk(monkeypatch):
-    """On CPU small batches walk the tree on the host; the tensor walk (large batches, GPU) gives
-    the same outputs, and VerifyOutput.host() reads the same decision from either."""
+@pytest.mark.parametrize("walk", ["native", "numpy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
+    """On CPU small batches walk the tree on the host (in C for float32 logits, else NumPy +
+    Python); the tensor walk (large batches, GPU) gives the same outputs, and
+    VerifyOutput.host() reads the same decision and row maxima from either."""
+    import dataclasses
+
     import sglang_tev.verify as verify_mod
 
+    if walk == "numpy":
+        monkeypatch.setattr(verify_mod, "native_greedy", lambda: None)
+    elif dtype == torch.float32 and verify_mod.native_greedy() is None:
+        pytest.skip("no C compiler here")  # test_ddtree fails in that case when one exists
     trees, tree, logits = make_case(5, 6, sizes=[12, 1, 9, 5])
+    logits = logits.to(dtype)
     for r, (parents, tokens) in enumerate(trees):  # a deep argmax path: boost first children
         for i in range(1, len(parents)):
             if i == min(j for j in range(1, len(parents)) if parents[j] == parents[i]):
                 logits[r, parents[i], tokens[i]] += 5.0
+    logits[0, 0, :] = logits[0, 0, :].max()  # a row of ties: the lowest id wins
     greedy = SamplingParams(temperature=0.0)
-    host = verify_tree(tree, logits, "tev", sampling=greedy)
-    monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 0)
-    dev = verify_tree(tree, logits, "tev", sampling=greedy)
-    assert getattr(host, "_host", None) is not None and getattr(dev, "_host", None) is None
+
+    def both(x):
+        monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 4096)
+        h = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
+        monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 0)
+        d = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
+        assert getattr(h, "_host", None) is not None and getattr(d, "_host", None) is None
+        return h, d
+
+    host, dev = both(logits)
     for f in ("path", "accept_len", "bonus", "exit_node", "coverage"):
         assert torch.equal(getattr(host, f), getattr(dev, f)), f
         assert getattr(host, f).dtype == getattr(dev, f).dtype, f
     assert int(host.accept_len.max()) >= 2
-    import dataclasses
-
     a, b = host.host(tree, row_max_of=logits), dev.host(tree, row_max_of=logits)
     assert dataclasses.replace(a, row_max=None) == dataclasses.replace(b, row_max=None) == host.host(tree)
-    bad = logits.clone()
-    bad[2, 4, 1] = float("nan")  # the row max reports it, on either path
-    bad[3, 0, :] = float("-inf")
-    outs = [verify_tree(tree, bad, "tev", sampling=greedy, validate=False)]
-    monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 4096)
-    outs.append(verify_tree(tree, bad, "tev", sampling=greedy, validate=False))
-    nan_safe = lambda rows: [[x if x == x else "nan" for x in row] for row in rows]  # noqa: E731
-    want = nan_safe(bad.amax(-1).double().tolist())
-    assert [nan_safe(o.host(tree, row_max_of=bad).row_max) for o in outs] == [want, want]
-    assert want[2][4] == "nan" and want[3][0] == float("-inf")
     assert a.tree_nodes == [12, 1, 9, 5]
     assert a.path_tokens == [[int(tree.tokens[r, v]) for v in p] for r, p in enumerate(a.paths)]
+    bad = logits.clone()
+    bad[2, 4, 1] = float("nan")  # the row max reports it, on either path
+    bad[2, 4, 3] = float("inf")
+    bad[3, 0, :] = float("-inf")
+    bad[1, 0, 2] = float("inf")
+    nan_safe = lambda rows: [[x if x == x else "nan" for x in row] for row in rows]  # noqa: E731
+    want = nan_safe(bad.amax(-1).double().tolist())
+    assert [nan_safe(o.host(tree, row_max_of=bad).row_max) for o in both(bad)] == [want, want]
+    assert want[2][4] == "nan" and want[3][0] == float("-inf") and want[1][0] == float("inf")

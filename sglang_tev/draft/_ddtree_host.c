@@ -95,6 +95,33 @@ static void min_push(double *h, int *n, double x) {
     h[i] = x;
 }
 
+/* max of x[0..n) (n >= 1) and whether one is NaN: 8 independent lanes, so compilers emit packed
+ * max / unordered compares (a > m ? a : m is exactly the packed max; NaN never wins it) */
+static float max_and_nan(const float *x, int64_t n, int *nan_out) {
+    float m[8];
+    int32_t nan[8] = {0};
+    for (int l = 0; l < 8; l++) m[l] = x[0];
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8)
+        for (int l = 0; l < 8; l++) {
+            float a = x[t + l];
+            m[l] = a > m[l] ? a : m[l];
+            nan[l] |= a != a;
+        }
+    for (; t < n; t++) {
+        m[0] = x[t] > m[0] ? x[t] : m[0];
+        nan[0] |= x[t] != x[t];
+    }
+    float best = m[0];
+    int any = nan[0];
+    for (int l = 1; l < 8; l++) {
+        best = m[l] > best ? m[l] : best;
+        any |= nan[l];
+    }
+    *nan_out = any;
+    return best;
+}
+
 static int cand_cmp(const void *pa, const void *pb) {
     const cand_t *a = pa, *b = pb;
     if (a->lq != b->lq) return a->lq > b->lq ? -1 : 1;
@@ -162,8 +189,8 @@ int64_t ddtree_build(const float *lq, int64_t b, int64_t H, int64_t V, int64_t b
             float best = -INFINITY;
             for (int64_t g = 0; g < nblk; g++) {
                 int64_t lo = g * BLK, hi = lo + BLK < V ? lo + BLK : V;
-                float mx = row[lo];
-                for (int64_t t = lo + 1; t < hi; t++) mx = row[t] > mx ? row[t] : mx; /* vectorises */
+                int nan;
+                float mx = max_and_nan(row + lo, hi - lo, &nan); /* NaN entries never win (nor survive) */
                 bm[g] = mx;
                 best = mx > best ? mx : best;
             }
@@ -273,4 +300,70 @@ done:
     free(nscore);
     free(cand);
     return status < 0 ? status : max_depth;
+}
+
+/* Greedy (argmax-follow) verification of b trees on the host: the same decision as
+ * sglang_tev.verify._greedy_on_host. logits: float32 [b, N, V] (contiguous); parents, tokens:
+ * int64 [b, N]; valid: uint8 [b, N] (a prefix mask). Writes out: int64 [b, 2N + 3] = path (node
+ * indices root-first, -1 padded) | path tokens (-1 padded) | accept_len | bonus | valid nodes, and
+ * row_max: float32 [b, N], each node row's max (NaN when the row holds a NaN; the argmax is then
+ * the first NaN, as NumPy's). One pass over each row (max and NaN test vectorise), then a scan
+ * for the first maximum; the walk looks for the child carrying the argmax among later nodes. */
+void greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, const int64_t *parents,
+                   const int64_t *tokens, const uint8_t *valid, int64_t *out, float *row_max,
+                   int64_t *top) {
+    for (int64_t r = 0; r < b; r++) {
+        const int64_t *par = parents + r * N, *tok = tokens + r * N;
+        int64_t *o = out + r * (2 * N + 3), *tp = top + r * N;
+        int64_t count = 0;
+        while (count < N && valid[r * N + count]) count++;
+        for (int64_t v = 0; v < N; v++) {
+            const float *row = logits + (r * N + v) * V;
+            /* per block of BLK: its max (packed) and any NaN; then the first block holding the
+             * row max, scanned for its first occurrence */
+            float mx = -INFINITY;
+            int64_t first_blk = 0, nan_blk = -1;
+            for (int64_t g = 0; g * BLK < V; g++) {
+                int64_t lo = g * BLK, hi = lo + BLK < V ? lo + BLK : V;
+                int nan;
+                float m = max_and_nan(row + lo, hi - lo, &nan);
+                if (nan && nan_blk < 0) nan_blk = g;
+                if (g == 0 || m > mx) { /* strictly greater: ties keep the earlier block */
+                    mx = m;
+                    first_blk = g;
+                }
+            }
+            int64_t arg;
+            if (nan_blk >= 0) {
+                arg = nan_blk * BLK;
+                while (row[arg] == row[arg]) arg++;
+                mx = row[arg];
+            } else {
+                arg = first_blk * BLK;
+                while (arg < V - 1 && !(row[arg] == mx)) arg++;
+            }
+            tp[v] = arg;
+            row_max[r * N + v] = mx;
+        }
+        for (int64_t i = 0; i < 2 * N; i++) o[i] = -1;
+        int64_t cur = 0, len = 0;
+        o[0] = 0;
+        o[N] = tok[0];
+        for (;;) {
+            int64_t want = tp[cur], nxt = -1;
+            for (int64_t i = cur + 1; i < count; i++)
+                if (par[i] == cur && tok[i] == want) {
+                    nxt = i;
+                    break;
+                }
+            if (nxt < 0) break;
+            cur = nxt;
+            len++;
+            o[len] = cur;
+            o[N + len] = tok[cur];
+        }
+        o[2 * N] = len;
+        o[2 * N + 1] = tp[cur];
+        o[2 * N + 2] = count;
+    }
 }

@@ -1,4 +1,5 @@
-"""The host DDTree builder in C (``_ddtree_host.c``), built on first use with the system compiler.
+"""The host DDTree builder and greedy walk in C (``_ddtree_host.c``), built on first use with the
+system compiler.
 
 On CPU every small tensor or NumPy op costs tens of microseconds right after a model forward
 (its weights have evicted the caches), so a builder made of many small ops loses to one native
@@ -22,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["native_builder", "HMAX"]
+__all__ = ["native_builder", "native_greedy", "HMAX"]
 
 HMAX = 64
 """Deepest depth the C builder takes (``HMAX`` in the C source)."""
@@ -79,7 +80,16 @@ def _build() -> ctypes.CDLL | None:
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p]
+    g = lib.greedy_follow
+    g.restype = None
+    g.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
     return lib
+
+
+def native_greedy():
+    """The C ``greedy_follow`` function (argmax-follow on the host), or None as :func:`native_builder`."""
+    native_builder()
+    return None if _lib is None else _lib.greedy_follow
 
 
 def native_builder():

@@ -32,6 +32,7 @@ from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_pr
 from ..tree import DraftTree, edge_probs, exit_law_from_edges
 from . import predraw as _predraw
 from . import sequential as _sequential
+from ..draft.host_native import native_greedy
 from .greedy import greedy_verify
 from .predraw import predraw_verify
 from .sequential import sequential_verify
@@ -141,7 +142,10 @@ class VerifyOutput:
         """
         if self._host is not None:
             kept = self._host
-            return HostDecision(*kept[:6], row_max=None if row_max_of is None else kept[6])
+            row_max = None
+            if row_max_of is not None:
+                row_max = kept[6].t.tolist() if isinstance(kept[6], _LazyRows) else kept[6]
+            return HostDecision(*kept[:6], row_max=row_max)
         path, accept_len, bonus, _, coverage = self._tensors
         b, n = path.shape
         path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))
@@ -304,6 +308,21 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
     whole walk (caches are cold after the target forward). Keeps the lists (and every row's max,
     read at its argmax) for :meth:`VerifyOutput.host`; tensors are built only if read."""
     b, n = tree.batch_size, tree.num_nodes
+    cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    fn = native_greedy() if logits.dtype == torch.float32 else None
+    if fn is not None:  # the same walk in one C call (sglang_tev/draft/_ddtree_host.c)
+        x = logits.contiguous()
+        par, tok, val = tree.parents.contiguous(), tree.tokens.contiguous(), tree.valid.contiguous()
+        out = torch.empty(b, 2 * n + 3, dtype=torch.int64)
+        rmax = torch.empty(b, n, dtype=torch.float32)
+        top = torch.empty(b, n, dtype=torch.int64)
+        fn(x.data_ptr(), b, n, x.shape[-1], par.data_ptr(), tok.data_ptr(), val.data_ptr(), out.data_ptr(),
+           rmax.data_ptr(), top.data_ptr())
+        rows = out.tolist()
+        acc = [h[2 * n] for h in rows]
+        return VerifyOutput._from_host(([h[: a + 1] for h, a in zip(rows, acc)], [h[n: n + a + 1] for h, a in zip(rows, acc)],
+                                        acc, [h[2 * n + 1] for h in rows], [float(a) for a in acc],
+                                        [h[2 * n + 2] for h in rows], _LazyRows(rmax)), n, cover_dt)
     top, row_max = _argmax_and_max(logits)
     parents, tokens = tree.host()
     paths, path_tokens, acc, bonus = [], [], [], []
@@ -320,9 +339,17 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
         path_tokens.append([tok[i] for i in path])
         acc.append(len(path) - 1)
         bonus.append(tp[cur])
-    cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return VerifyOutput._from_host((paths, path_tokens, acc, bonus, [float(a) for a in acc],
                                     [len(p) for p in parents], row_max), n, cover_dt)
+
+
+class _LazyRows:
+    """A tensor read back as nested lists only when asked for (HostDecision.row_max)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
 
 
 def _argmax_and_max(logits: torch.Tensor) -> tuple[list, list]:
