@@ -178,7 +178,7 @@ int64_t ddtree_build(const float *lq, int64_t b, int64_t H, int64_t V, int64_t b
             counts[r] = 1;
             continue;
         }
-        const int64_t *leaf = leaves + r * S;
+        const int64_t *leaf = S > 0 ? leaves + r * S : NULL;
         /* (0) best per block of BLK tokens and per depth, the chain, P_j */
         double P[HMAX + 1], m[HMAX];
         int64_t hb = hl;

@@ -309,28 +309,34 @@ def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit,
     """:func:`_build_heap` on :func:`_ranked_survivors`' lists in one C call (``_ddtree_host.c``;
     its bound is the exact budget-th best Y rather than group maxima, so its lists can be shorter;
     the tree is the same). CPU tensors only."""
+    import ctypes
+
     b, H, V = logq.shape
     n = 1 + budget
     x = logq.contiguous()
-    limits = torch.full((b,), H, dtype=torch.int64) if depth_limit is None else depth_limit.to(torch.int64).contiguous()
-    leaves = torch.empty(b, 0, dtype=torch.int64) if leaf_tokens is None else leaf_tokens.to(torch.int64).contiguous()
+    if depth_limit is None:  # a ctypes array: no tensor op for the common case
+        limits = (ctypes.c_int64 * b)(*([H] * b))
+        limits_ptr = ctypes.addressof(limits)
+    else:
+        limits = depth_limit.to(torch.int64).contiguous()
+        limits_ptr = limits.data_ptr()
+    leaves = None if leaf_tokens is None else leaf_tokens.to(torch.int64).contiguous()
     roots = root_tokens.to(torch.int64).contiguous()
-    ints = torch.empty(3 * b * n + b, dtype=torch.int64)
-    flags = torch.empty(b * n * (n + 1), dtype=torch.bool)  # bool is one byte holding 0 / 1, as C writes it
-    parents, tokens, depth = (ints[i * b * n: (i + 1) * b * n].view(b, n) for i in range(3))
-    valid, anc = flags[: b * n].view(b, n), flags[b * n:].view(b, n, n)
-    md = fn(x.data_ptr(), b, H, V, budget, limits.data_ptr(), leaves.data_ptr(), leaves.shape[1], roots.data_ptr(),
-            parents.data_ptr(), tokens.data_ptr(), depth.data_ptr(), valid.data_ptr(), anc.data_ptr(),
-            ints[3 * b * n:].data_ptr())
+    ints = torch.empty(3, b, n, dtype=torch.int64)  # parents | tokens | depth
+    counts = torch.empty(b, dtype=torch.int64)
+    valid = torch.empty(b, n, dtype=torch.bool)  # bool is one byte holding 0 / 1, as C writes it
+    anc = torch.empty(b, n, n, dtype=torch.bool)
+    parents, tokens, depth = ints
+    md = fn(x.data_ptr(), b, H, V, budget, limits_ptr, None if leaves is None else leaves.data_ptr(),
+            0 if leaves is None else leaves.shape[1], roots.data_ptr(), parents.data_ptr(), tokens.data_ptr(),
+            depth.data_ptr(), valid.data_ptr(), anc.data_ptr(), counts.data_ptr())
     if md < 0:
         raise MemoryError(f"the native DDTree builder failed (status {md})")
     tree = DraftTree(parents, tokens, valid, depth, anc, int(md))
 
-    def host_lists():  # DraftTree.host() in one read: parents | tokens | depth | counts are one buffer
-        flat = ints.tolist()
-        counts = flat[3 * b * n:]
-        return ([flat[r * n: r * n + counts[r]] for r in range(b)],
-                [flat[(b + r) * n: (b + r) * n + counts[r]] for r in range(b)])
+    def host_lists():  # DraftTree.host() in two reads (parents and tokens share one buffer)
+        (par, tok), m = ints[:2].tolist(), counts.tolist()
+        return [p[: c] for p, c in zip(par, m)], [t[: c] for t, c in zip(tok, m)]
 
     object.__setattr__(tree, "_host_fn", host_lists)
     return tree

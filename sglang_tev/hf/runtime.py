@@ -269,6 +269,7 @@ class _Run:
         self.static = gen.static_shapes or gen.cuda_graphs
         self.static_slots: dict[tuple[int, int], torch.Tensor] = gen._static_slots
         self.graphs = None
+        self._slots = torch.arange(self.max_len + self.n_nodes, device=self.dev)  # slot / position ids, sliced
         self._mask_buf: torch.Tensor | None = None  # _kept_tree_mask's buffer and per-slot (row, context columns set)
         self._mask_rows: list = []
         if gen.cuda_graphs:
@@ -441,14 +442,15 @@ class _Run:
         dev = self.dev
         if draft_logits is None:
             return _root_only(roots)
-        cap_t = torch.tensor(depth_cap, dtype=torch.int64, device=dev)
+        # no limit when every row may use the whole block (the common case: no tensor to make)
+        cap_t = None if min(depth_cap) >= self.K - 1 else torch.tensor(depth_cap, dtype=torch.int64, device=dev)
         leaf = self._leaf_tokens()
         if self.method == "chain":
             H = min(draft_logits.shape[1], max(depth_cap))
             chain = draft_logits[:, :H].argmax(-1)  # [b, H]
             parents = torch.arange(-1, H, device=dev).expand(b, H + 1)
             tokens = torch.cat([roots.view(b, 1), chain], 1)
-            ok = torch.arange(1, H + 1, device=dev).view(1, H) <= cap_t.view(b, 1)
+            ok = torch.arange(1, H + 1, device=dev).view(1, H) <= torch.tensor(depth_cap, device=dev).view(b, 1)
             if leaf is not None:  # nothing below a stop token
                 stop_before = torch.zeros_like(ok)
                 stop_before[:, 1:] = (chain[:, :-1].unsqueeze(-1) == leaf.unsqueeze(1)).any(-1).cummax(1).values[:, :]
@@ -597,20 +599,23 @@ class _Run:
         w = max(len(p) for p in paths)
         if feats is not None or w > 1:
             in_place = all(p == list(range(len(p))) for p in paths)  # nodes 0..a already sit in slots 0..a
-            if b == 1:
-                dst = torch.arange(self.active[0].past_len, self.active[0].past_len + w, device=self.dev).view(1, w)
+            if b == 1:  # one row: slices and index_select, no index grids
+                start = self.active[0].past_len
+                dst = self._slots[start: start + w].view(1, w)
+                src = None if in_place else torch.tensor(paths, dtype=torch.int64, device=self.dev)
+                if src is not None:
+                    self.cache.compact(sl, src + start, dst, dst_start=start)
+                ctx = None if feats is None else (feats[:, :w] if src is None else feats.index_select(1, src[0]))
             else:
-                dst = lens.view(b, 1) + torch.arange(w, device=self.dev)
-            src = None
-            if not in_place:  # rows with shorter paths move their own slots onto themselves
-                src = torch.tensor([p + list(range(len(p), w)) for p in paths], dtype=torch.int64, device=self.dev)
-                if w > 1:
-                    if b == 1:
-                        self.cache.compact(sl, src + self.active[0].past_len, dst, dst_start=self.active[0].past_len)
-                    else:
+                dst = lens.view(b, 1) + self._slots[:w]
+                ctx = None if feats is None else feats[:, :w]
+                if not in_place:  # rows with shorter paths move their own slots onto themselves
+                    src = torch.tensor([p + list(range(len(p), w)) for p in paths], dtype=torch.int64, device=self.dev)
+                    if w > 1:
                         self.cache.compact(sl, lens.view(b, 1) + src, dst)
+                    if feats is not None:
+                        ctx = feats.gather(1, src.unsqueeze(-1).expand(b, w, feats.shape[-1]))
             if feats is not None:
-                ctx = feats[:, :w] if src is None else feats.gather(1, src.unsqueeze(-1).expand(b, w, feats.shape[-1]))
                 self.pending_ctx = (sl, ctx, dst)
         # host bookkeeping
         finished = []
