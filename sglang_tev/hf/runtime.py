@@ -63,6 +63,11 @@ MAX_BUDGET = 1024
 builder's memory grows as budget x min(budget, V)."""
 
 
+KEPT_MASK_MAX_ROWS = 4
+"""Batches of at most this many rows update one kept tree-mask buffer in place (two slice writes
+per row); larger ones build the mask in one vectorised pass (``static_cache.tree_masks``)."""
+
+
 class NonFiniteLogitsError(RuntimeError):
     """The target produced NaN / +inf (or only -inf) logits at a valid tree node: an exact verifier
     cannot use them (the exit law would move to that node), so the call stops with this error."""
@@ -488,7 +493,7 @@ class _Run:
         else:
             kv_len = max(r.past_len for r in self.active) + n
             slots = self.active[0].past_len if b == 1 else lens.view(b, 1) + torch.arange(n, device=self.dev)
-        if self.static or g.layout.windows != {"full_attention": None}:
+        if self.static or g.layout.windows != {"full_attention": None} or b > KEPT_MASK_MAX_ROWS:
             masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
         else:
             masks = g._mask(self._kept_tree_mask(tree, kv_len))
