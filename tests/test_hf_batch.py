@@ -210,27 +210,32 @@ def test_kept_tree_mask_equals_the_built_mask(target, monkeypatch):
     assert len(calls) >= 8 and {2, 3} <= set(calls)  # full batches and a shrunk one
 
 
-def test_compact_one_row_fast_path_equals_the_gather():
-    """StaticKVCache.compact with dst_start (index_select + slice copy) moves the same K/V as the
-    batched gather/scatter, overlapping ranges included."""
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_one_row_fast_path_equals_the_gather(monkeypatch, native, dtype):
+    """StaticKVCache.compact with dst_start (one C call on CPU, else index_select + slice copy)
+    moves the same K/V as the batched gather/scatter, overlapping ranges included."""
+    from sglang_tev.hf import static_cache
     from sglang_tev.hf.static_cache import StaticKVCache
 
+    if not native:
+        monkeypatch.setattr(static_cache, "native_kv_move", lambda: None)
     caches = []
     for _ in range(2):
-        c = StaticKVCache(3, 24, 2, "cpu", torch.float32)
+        c = StaticKVCache(3, 24, 2, "cpu", dtype)
         c.begin(slice(0, 3), 0, 24)
         for layer in range(2):
             k = torch.randn(3, 2, 24, 4, generator=torch.Generator().manual_seed(layer))
-            c.update(k, k + 1, layer)
+            c.update(k.to(dtype), (k + 1).to(dtype), layer)
         caches.append(c)
     src = torch.tensor([[10, 11, 13, 16, 20]])  # slots 10 + path [0, 1, 3, 6, 10]
     caches[0].compact(slice(1, 2), src, torch.arange(10, 15).view(1, 5), dst_start=10)
     caches[1].compact(slice(1, 2), src, torch.arange(10, 15).view(1, 5))
     assert torch.equal(caches[0].kv, caches[1].kv)
-    before = StaticKVCache(3, 24, 2, "cpu", torch.float32)
+    before = StaticKVCache(3, 24, 2, "cpu", dtype)
     before.begin(slice(0, 3), 0, 24)
     for layer in range(2):
         k = torch.randn(3, 2, 24, 4, generator=torch.Generator().manual_seed(layer))
-        before.update(k, k + 1, layer)
+        before.update(k.to(dtype), (k + 1).to(dtype), layer)
     assert torch.equal(caches[0].kv[:, :, 1, :, 10:15], before.kv[:, :, 1, :, [10, 11, 13, 16, 20]])
     assert torch.equal(caches[0].kv[:, :, [0, 2]], before.kv[:, :, [0, 2]])  # other rows untouched

@@ -367,3 +367,19 @@ void greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, const i
         o[2 * N + 2] = count;
     }
 }
+
+/* The runtime's KV commit for one row on the host: in each of `outer` blocks (layer x K/V x head;
+ * block i starts at base + i0 * s0 + i1 * s1 + i2 * s2 bytes for i = (i0, i1, i2) over sizes
+ * n0 x n1 x n2), slot src[j] moves to slot dst_start + j, each slot `slot_bytes` long. Paths have
+ * src[j] >= dst_start + j, increasing, so copying in order never reads a slot already written. */
+void kv_move(char *base, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1, int64_t s2,
+             int64_t slot_bytes, const int64_t *src, int64_t w, int64_t dst_start) {
+    for (int64_t i0 = 0; i0 < n0; i0++)
+        for (int64_t i1 = 0; i1 < n1; i1++)
+            for (int64_t i2 = 0; i2 < n2; i2++) {
+                char *blk = base + i0 * s0 + i1 * s1 + i2 * s2;
+                for (int64_t j = 0; j < w; j++)
+                    if (src[j] != dst_start + j)
+                        memmove(blk + (dst_start + j) * slot_bytes, blk + src[j] * slot_bytes, (size_t)slot_bytes);
+            }
+}

@@ -1,5 +1,5 @@
-"""The host DDTree builder and greedy walk in C (``_ddtree_host.c``), built on first use with the
-system compiler.
+"""Host-side C helpers (``_ddtree_host.c``): the DDTree builder, the greedy walk and the runtime's
+one-row KV move, built on first use with the system compiler.
 
 On CPU every small tensor or NumPy op costs tens of microseconds right after a model forward
 (its weights have evicted the caches), so a builder made of many small ops loses to one native
@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["native_builder", "native_greedy", "HMAX"]
+__all__ = ["native_builder", "native_greedy", "native_kv_move", "HMAX"]
 
 HMAX = 64
 """Deepest depth the C builder takes (``HMAX`` in the C source)."""
@@ -83,7 +83,16 @@ def _build() -> ctypes.CDLL | None:
     g = lib.greedy_follow
     g.restype = None
     g.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
+    mv = lib.kv_move
+    mv.restype = None
+    mv.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
+
+
+def native_kv_move():
+    """The C ``kv_move`` function (one row's KV commit on the host), or None as :func:`native_builder`."""
+    native_builder()
+    return None if _lib is None else _lib.kv_move
 
 
 def native_greedy():

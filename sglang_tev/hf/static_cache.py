@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..draft.host_native import native_kv_move
+
 __all__ = ["StaticKVCache", "AttentionLayout", "attention_layout"]
 
 
@@ -142,9 +144,18 @@ class StaticKVCache:
         ``[dst_start, dst_start + W)``, an index_select and a slice copy instead."""
         b, w = src.shape
         if dst_start is not None and b == 1:
+            move = native_kv_move() if self.device.type == "cpu" else None
             for buf, lead in self._buffers():
                 x = buf[(slice(None),) * lead + (rows.start,)]  # [..., kv_heads, max_len, head_dim]
-                x[..., dst_start: dst_start + w, :] = x.index_select(lead + 1, src[0])
+                if move is not None and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+                    # one C call moves every (layer, K/V, head) block's slots: no tensor ops
+                    es = x.element_size()
+                    sizes = (1,) * (3 - (x.dim() - 2)) + tuple(x.shape[:-2])
+                    strides = (0,) * (3 - (x.dim() - 2)) + tuple(st * es for st in x.stride()[:-2])
+                    idx = src[0].contiguous()
+                    move(x.data_ptr(), *sizes, *strides, x.shape[-1] * es, idx.data_ptr(), w, dst_start)
+                else:
+                    x[..., dst_start: dst_start + w, :] = x.index_select(lead + 1, src[0])
             return
         for buf, lead in self._buffers():
             x = buf[(slice(None),) * lead + (rows,)]
