@@ -189,6 +189,7 @@ def test_kept_tree_mask_equals_the_built_mask(target, monkeypatch):
     (static_cache.tree_masks) at every round: ragged rows, slots refilled and rows moved."""
     from sglang_tev.hf import runtime as rt
     from sglang_tev.hf.static_cache import tree_masks
+    from sglang_tev.tree import additive_mask
 
     kept = rt._Run._kept_tree_mask
     calls = []
@@ -196,7 +197,8 @@ def test_kept_tree_mask_equals_the_built_mask(target, monkeypatch):
     def checked(self, tree, kv_len):
         m = kept(self, tree, kv_len)
         lens = torch.tensor([r.past_len for r in self.active])
-        assert torch.equal(m, tree_masks(self.g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
+        want = tree_masks(self.g.layout, lens, tree.depth, tree.ancestor_mask, kv_len)
+        assert torch.equal(m, additive_mask(want, m.dtype))
         calls.append(len(self.active))
         return m
 

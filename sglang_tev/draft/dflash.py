@@ -520,9 +520,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # torch's fused rms_norm: x * rsqrt(mean(x^2) + eps) in float32, one op instead of five
+        # (the draft forward is op-bound on CPU); equal to the unfused form on fp32 and bf16 inputs
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def _rope(positions: torch.Tensor, head_dim: int, theta: float,

@@ -496,30 +496,36 @@ class _Run:
         if self.static or g.layout.windows != {"full_attention": None} or b > KEPT_MASK_MAX_ROWS:
             masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
         else:
-            masks = g._mask(self._kept_tree_mask(tree, kv_len))
+            masks = self._kept_tree_mask(tree, kv_len)  # already additive
         return {"rows": sl, "positions": lens.view(b, 1) + tree.depth, "masks": masks, "slots": slots, "kv_len": kv_len}
 
     def _kept_tree_mask(self, tree: DraftTree, kv_len: int) -> torch.Tensor:
-        """The full-attention tree mask (as :func:`~sglang_tev.hf.static_cache.tree_masks`) kept in
-        one bool buffer [cap, 1, N, max_len] and updated in place: per row, the columns that became
-        context since its last round are set and its tree window gets the ancestor mask (two
-        slice writes), as the reference keeps its mask buffer. Columns past a row's window were
-        never written for it (rows only grow), so they stay False; a slot that changes hands is
-        cleared first."""
+        """The full-attention tree mask (as :func:`~sglang_tev.hf.static_cache.tree_masks`) as HF's
+        additive float mask (0 = attend, ``finfo.min`` = masked), kept in one buffer
+        [cap, 1, N, max_len] and updated in place as the reference keeps its mask: per row, the
+        columns that became context since its last round are zeroed and its tree window gets the
+        ancestor mask (one ``where`` into the window). Columns past a row's window were never
+        opened for it (rows only grow), so they stay masked; a slot that changes hands is reset
+        first. Float, so SDPA does not convert a bool mask in every layer."""
         b, n = tree.parents.shape
+        g = self.g
         if self._mask_buf is None or self._mask_buf.shape[2] != n:
-            self._mask_buf = torch.zeros(self.cap, 1, n, self.max_len, dtype=torch.bool, device=self.dev)
+            dt = g.target.dtype if g.target.dtype.is_floating_point else torch.float32
+            low = torch.finfo(dt).min
+            self._mask_buf = torch.full((self.cap, 1, n, self.max_len), low, dtype=dt, device=self.dev)
             self._mask_rows = [(None, 0)] * self.cap
+            self._mask_vals = (torch.zeros((), dtype=dt, device=self.dev), torch.full((), low, dtype=dt, device=self.dev))
         buf = self._mask_buf
+        zero, low = self._mask_vals
         for i, r in enumerate(self.active):
             owner, done = self._mask_rows[i]
             L = r.past_len
             if owner is not r or done > L:
-                buf[i].zero_()
+                buf[i].fill_(low)
                 done = 0
             if L > done:
-                buf[i, 0, :, done:L] = True
-            buf[i, 0, :, L: L + n] = tree.ancestor_mask[i]
+                buf[i, 0, :, done:L] = 0
+            torch.where(tree.ancestor_mask[i], zero, low, out=buf[i, 0, :, L: L + n])
             self._mask_rows[i] = (r, L)
         return buf[:b, :, :, :kv_len]
 
