@@ -215,8 +215,8 @@ def test_kept_tree_mask_equals_the_built_mask(target, monkeypatch):
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compact_one_row_fast_path_equals_the_gather(monkeypatch, native, dtype):
-    """StaticKVCache.compact with dst_start (one C call on CPU, else index_select + slice copy)
-    moves the same K/V as the batched gather/scatter, overlapping ranges included."""
+    """StaticKVCache.compact_row (one C call on CPU, else index_select + slice copy) moves the
+    same K/V as the batched gather/scatter, overlapping ranges included."""
     from sglang_tev.hf import static_cache
     from sglang_tev.hf.static_cache import StaticKVCache
 
@@ -231,7 +231,7 @@ def test_compact_one_row_fast_path_equals_the_gather(monkeypatch, native, dtype)
             c.update(k.to(dtype), (k + 1).to(dtype), layer)
         caches.append(c)
     src = torch.tensor([[10, 11, 13, 16, 20]])  # slots 10 + path [0, 1, 3, 6, 10]
-    caches[0].compact(slice(1, 2), src, torch.arange(10, 15).view(1, 5), dst_start=10)
+    caches[0].compact_row(1, src[0].tolist(), 10)
     caches[1].compact(slice(1, 2), src, torch.arange(10, 15).view(1, 5))
     assert torch.equal(caches[0].kv, caches[1].kv)
     before = StaticKVCache(3, 24, 2, "cpu", dtype)

@@ -307,11 +307,12 @@ done:
  * int64 [b, N]; valid: uint8 [b, N] (a prefix mask). Writes out: int64 [b, 2N + 3] = path (node
  * indices root-first, -1 padded) | path tokens (-1 padded) | accept_len | bonus | valid nodes, and
  * row_max: float32 [b, N], each node row's max (NaN when the row holds a NaN; the argmax is then
- * the first NaN, as NumPy's). One pass over each row (max and NaN test vectorise), then a scan
+ * the first NaN, as NumPy's). Returns 0, or -1 when out of memory. One pass over each row (max and NaN test vectorise), then a scan
  * for the first maximum; the walk looks for the child carrying the argmax among later nodes. */
-void greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, const int64_t *parents,
-                   const int64_t *tokens, const uint8_t *valid, int64_t *out, float *row_max,
-                   int64_t *top) {
+int64_t greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, const int64_t *parents,
+                      const int64_t *tokens, const uint8_t *valid, int64_t *out, float *row_max) {
+    int64_t *top = malloc(sizeof(int64_t) * (size_t)(b * N));
+    if (!top) return -1;
     for (int64_t r = 0; r < b; r++) {
         const int64_t *par = parents + r * N, *tok = tokens + r * N;
         int64_t *o = out + r * (2 * N + 3), *tp = top + r * N;
@@ -366,6 +367,8 @@ void greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, const i
         o[2 * N + 1] = tp[cur];
         o[2 * N + 2] = count;
     }
+    free(top);
+    return 0;
 }
 
 /* The runtime's KV commit for one row on the host: in each of `outer` blocks (layer x K/V x head;
@@ -374,6 +377,7 @@ void greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, const i
  * src[j] >= dst_start + j, increasing, so copying in order never reads a slot already written. */
 void kv_move(char *base, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1, int64_t s2,
              int64_t slot_bytes, const int64_t *src, int64_t w, int64_t dst_start) {
+    /* src: absolute slots */
     for (int64_t i0 = 0; i0 < n0; i0++)
         for (int64_t i1 = 0; i1 < n1; i1++)
             for (int64_t i2 = 0; i2 < n2; i2++) {

@@ -497,7 +497,8 @@ class _Run:
             masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
         else:
             masks = self._kept_tree_mask(tree, kv_len)  # already additive
-        return {"rows": sl, "positions": lens.view(b, 1) + tree.depth, "masks": masks, "slots": slots, "kv_len": kv_len}
+        positions = tree.depth + self.active[0].past_len if b == 1 else lens.view(b, 1) + tree.depth
+        return {"rows": sl, "positions": positions, "masks": masks, "slots": slots, "kv_len": kv_len}
 
     def _kept_tree_mask(self, tree: DraftTree, kv_len: int) -> torch.Tensor:
         """The full-attention tree mask (as :func:`~sglang_tev.hf.static_cache.tree_masks`) as HF's
@@ -610,13 +611,14 @@ class _Run:
         w = max(len(p) for p in paths)
         if feats is not None or w > 1:
             in_place = all(p == list(range(len(p))) for p in paths)  # nodes 0..a already sit in slots 0..a
-            if b == 1:  # one row: slices and index_select, no index grids
+            if b == 1:  # one row: slices, a C move and one index_select, no index grids
                 start = self.active[0].past_len
                 dst = self._slots[start: start + w].view(1, w)
-                src = None if in_place else torch.tensor(paths, dtype=torch.int64, device=self.dev)
-                if src is not None:
-                    self.cache.compact(sl, src + start, dst, dst_start=start)
-                ctx = None if feats is None else (feats[:, :w] if src is None else feats.index_select(1, src[0]))
+                if not in_place:
+                    self.cache.compact_row(sl.start, [start + v for v in paths[0]], start)
+                ctx = None
+                if feats is not None:
+                    ctx = feats[:, :w] if in_place else feats.index_select(1, torch.tensor(paths[0], device=self.dev))
             else:
                 dst = lens.view(b, 1) + self._slots[:w]
                 ctx = None if feats is None else feats[:, :w]

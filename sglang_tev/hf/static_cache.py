@@ -19,6 +19,8 @@ excludes), so commit never indexes a trimmed cache.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ..draft.host_native import native_kv_move
@@ -137,32 +139,38 @@ class StaticKVCache:
         return out + [(b, 1) for b in self.extra.values()]
 
     # --------------------------------------------------------------- the runtime's side
-    def compact(self, rows: slice, src: torch.Tensor, dst: torch.Tensor, dst_start: int | None = None) -> None:
+    def compact(self, rows: slice, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move slots ``src`` [b, W] to ``dst`` [b, W] of ``rows`` in every layer, keys and values
         at once: one gather and one scatter over the joint buffer (the gather copies first, so
-        overlapping ranges are safe). ``dst_start``: for one row whose ``dst`` is the slots
-        ``[dst_start, dst_start + W)``, an index_select and a slice copy instead."""
+        overlapping ranges are safe)."""
         b, w = src.shape
-        if dst_start is not None and b == 1:
-            move = native_kv_move() if self.device.type == "cpu" else None
-            for buf, lead in self._buffers():
-                x = buf[(slice(None),) * lead + (rows.start,)]  # [..., kv_heads, max_len, head_dim]
-                if move is not None and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
-                    # one C call moves every (layer, K/V, head) block's slots: no tensor ops
-                    es = x.element_size()
-                    sizes = (1,) * (3 - (x.dim() - 2)) + tuple(x.shape[:-2])
-                    strides = (0,) * (3 - (x.dim() - 2)) + tuple(st * es for st in x.stride()[:-2])
-                    idx = src[0].contiguous()
-                    move(x.data_ptr(), *sizes, *strides, x.shape[-1] * es, idx.data_ptr(), w, dst_start)
-                else:
-                    x[..., dst_start: dst_start + w, :] = x.index_select(lead + 1, src[0])
-            return
         for buf, lead in self._buffers():
             x = buf[(slice(None),) * lead + (rows,)]
             shape = (*x.shape[:lead], b, x.shape[lead + 1], w, x.shape[-1])
             view = (1,) * lead + (b, 1, w, 1)
             moved = x.gather(lead + 2, src.view(view).expand(shape))
             x.scatter_(lead + 2, dst.view(view).expand(shape), moved)
+
+    def compact_row(self, row: int, src: list[int], dst_start: int) -> None:
+        """One row's commit: slots ``src`` (increasing, ``src[j] >= dst_start + j``: a path) move to
+        ``[dst_start, dst_start + len(src))`` in every layer. On CPU one C call over every
+        (layer, K/V, head) block (no tensor op); else an index_select and a slice copy."""
+        w = len(src)
+        move = native_kv_move() if self.device.type == "cpu" else None
+        idx = None
+        for buf, lead in self._buffers():
+            x = buf[(slice(None),) * lead + (row,)]  # [..., kv_heads, max_len, head_dim]
+            if move is not None and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+                es = x.element_size()
+                pad = 3 - (x.dim() - 2)
+                sizes = (1,) * pad + tuple(x.shape[:-2])
+                strides = (0,) * pad + tuple(st * es for st in x.stride()[:-2])
+                slots = (ctypes.c_int64 * w)(*src)
+                move(x.data_ptr(), *sizes, *strides, x.shape[-1] * es, ctypes.addressof(slots), w, dst_start)
+            else:
+                if idx is None:
+                    idx = torch.tensor(src, dtype=torch.int64, device=x.device)
+                x[..., dst_start: dst_start + w, :] = x.index_select(lead + 1, idx)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row ``src``'s first ``length`` slots into row ``dst`` (a finished row's slot is reused)."""

@@ -315,9 +315,9 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
         par, tok, val = tree.parents.contiguous(), tree.tokens.contiguous(), tree.valid.contiguous()
         out = torch.empty(b, 2 * n + 3, dtype=torch.int64)
         rmax = torch.empty(b, n, dtype=torch.float32)
-        top = torch.empty(b, n, dtype=torch.int64)
-        fn(x.data_ptr(), b, n, x.shape[-1], par.data_ptr(), tok.data_ptr(), val.data_ptr(), out.data_ptr(),
-           rmax.data_ptr(), top.data_ptr())
+        if fn(x.data_ptr(), b, n, x.shape[-1], par.data_ptr(), tok.data_ptr(), val.data_ptr(), out.data_ptr(),
+              rmax.data_ptr()) != 0:
+            raise MemoryError("the native greedy walk could not allocate its scratch")
         rows = out.tolist()
         acc = [h[2 * n] for h in rows]
         return VerifyOutput._from_host(([h[: a + 1] for h, a in zip(rows, acc)], [h[n: n + a + 1] for h, a in zip(rows, acc)],
