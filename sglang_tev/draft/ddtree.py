@@ -7,12 +7,17 @@ next rank) and its first child (next depth, rank 0), until ``budget`` non-root n
 Heap ties are broken by the rank tuple, lexicographically (a prefix before its extensions).
 
 Because a pushed prefix never beats the one just popped, the pop order is the sort of all
-prefixes by ``(score desc, rank tuple asc)`` and the tree is the top-``budget`` prefixes. Two
+prefixes by ``(score desc, rank tuple asc)`` and the tree is the top-``budget`` prefixes. The
 implementations give identical trees: on the host, the heap itself (per tree, with the depth and
 ancestor rows filled as nodes pop: the cheapest on CPU); on an accelerator, a level-wise search
 without a heap (at depth d append the k children of every kept depth-(d-1) node and keep the best
 ``budget`` of kept + new; lists are held in rank-tuple preorder, so a stable sort by score
 reproduces the heap's tie-break) in H static rounds with no host sync.
+
+From full draft logits on CPU (:func:`build_ddtree`) the host heap needs no per-depth top-k over
+the vocabulary: only tokens whose "best chain to the depth above, then this token" score reaches
+a lower bound of the budget-th tree score can be nodes (:func:`_ranked_survivors`), and one C
+call (``_ddtree_host.c``, built on first use; :mod:`.host_native`) finds them and runs the heap.
 
 Options used by the runtime: a per-tree depth limit (tokens left, position limit) and leaf tokens
 (stop tokens get no children: nothing below a stop is ever emitted, so no budget is spent there).
@@ -453,7 +458,12 @@ def draft_topk(draft_logits: torch.Tensor, k: int):
 def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, validate: bool = True, *,
                  depth_limit: torch.Tensor | None = None, leaf_tokens: torch.Tensor | None = None,
                  impl: str = "auto") -> DraftTree:
-    """Best-first DDTree from full draft logits (wrapper over :func:`build_ddtree_topk`).
+    """Best-first DDTree from full draft logits: log q = ``log_softmax`` in float32, then on CPU
+    (``impl`` "auto" / "heap") the host heap on the candidates :func:`_ranked_survivors` proves
+    sufficient (in one C call when it is built; else in Python), elsewhere :func:`draft_topk` +
+    :func:`build_ddtree_topk`. The same tree either way, except which of several tokens tied
+    exactly at the k-th place of a depth's list is kept: the host paths keep the lowest ids,
+    ``torch.topk`` any (such a token enters the tree only through another exact tie).
 
     Args:
         draft_logits: float [b, H, V], untempered per-depth draft logits (row j = depth j + 1);
