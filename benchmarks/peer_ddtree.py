@@ -20,12 +20,14 @@ commit                                          compaction, features to the draf
 =========  ===================================  =====================================
 
 ``between`` = build + verify + commit (ours) vs tree_build + tree_compile + commit (reference):
-everything but the two forwards.
+everything but the two forwards. With ``--repeats R`` the whole interleaved sweep runs R times;
+the table shows the median stage times, and the median over sweeps of each sweep's ratio (both
+sides of a sweep saw the same machine load).
 
 Usage::
 
     python benchmarks/peer_ddtree.py --ddtree-dir /path/to/ddtree [--budgets 16,64] [--prompts 10]
-        [--max-new-tokens 128] [--threads 1] [--output results.json]
+        [--max-new-tokens 128] [--threads 1] [--repeats 3] [--output results.json]
 
 The reference needs ``loguru`` and ``datasets`` only for logging and dataset loading; when they
 are missing, stand-ins are installed in ``sys.modules`` (this script uses neither). On a machine
@@ -84,8 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="interleaved sweeps per budget; stage times and ratios are their medians (default 1)")
     ap.add_argument("--output", default=None, help="write the records as JSON here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
 
@@ -124,8 +130,8 @@ def main(argv=None) -> int:
     ours(prompts[0][:32], budgets[0])
     reference(prompts[0][:32], budgets[0])
 
-    records = []
-    for B in budgets:
+    def sweep(B):
+        """One interleaved pass over the prompts at budget B: (record, texts identical)."""
         acc = {name: dict(st={}, per_round=[], toks=0, secs=0.0, outs=[]) for name in ("reference", "ours")}
         for i, ids in enumerate(prompts):  # interleaved, who goes first alternating: same machine load
             pair = (("reference", reference), ("ours", ours))
@@ -146,24 +152,39 @@ def main(argv=None) -> int:
         same = all(a == b for a, b in zip(agg["reference"]["outs"], agg["ours"]["outs"]))
         r, o = agg["reference"], agg["ours"]
         rs, os_ = r["stage_ms"], o["stage_ms"]
-        ref_between = rs["tree_build"] + rs["tree_compile"] + rs["commit"]
-        our_between = os_["build"] + os_["verify"] + os_["commit"]
         rec = {
-            "budget": B, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "texts_identical": same,
             "reference": {"draft": rs["draft"], "build": rs["tree_build"] + rs["tree_compile"], "tree_forward": rs["verify"],
-                          "decision_commit": rs["commit"], "between": ref_between,
+                          "decision_commit": rs["commit"], "between": rs["tree_build"] + rs["tree_compile"] + rs["commit"],
                           "tokens_per_s": r["tokens_per_s"], "tau": r["tau"]},
             "ours": {"draft": os_["draft"], "build": os_["build"], "tree_forward": os_["tree_forward"],
-                     "decision_commit": os_["verify"] + os_["commit"], "between": our_between,
+                     "decision_commit": os_["verify"] + os_["commit"], "between": os_["build"] + os_["verify"] + os_["commit"],
                      "tokens_per_s": o["tokens_per_s"], "tau": o["tau"]},
         }
-        rec["ratio_ours_over_reference"] = {k: rec["ours"][k] / rec["reference"][k] for k in rec["ours"] if rec["reference"][k]}
+        return rec, same
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+    records = []
+    for B in budgets:
+        runs = [sweep(B) for _ in range(args.repeats)]
+        same = all(ok for _, ok in runs)
+        keys = list(runs[0][0]["ours"])
+        rec = {"budget": B, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "texts_identical": same,
+               "repeats": args.repeats,
+               "reference": {k: median([r["reference"][k] for r, _ in runs]) for k in keys},
+               "ours": {k: median([r["ours"][k] for r, _ in runs]) for k in keys},
+               # the ratio of each sweep (both sides saw the same load), then the median over sweeps
+               "ratio_ours_over_reference": {k: median([r["ours"][k] / r["reference"][k] for r, _ in runs])
+                                             for k in keys if all(r["reference"][k] for r, _ in runs)},
+               "sweeps": [r for r, _ in runs]}
         records.append(rec)
-        print(f"B={B}: texts identical at T=0: {same}")
+        print(f"B={B}: texts identical at T=0: {same}" + (f" (median of {args.repeats} sweeps)" if args.repeats > 1 else ""))
         print(f"  {'stage (ms/round)':<18}{'reference':>11}{'ours':>10}{'ours/ref':>10}")
         for k in ("draft", "build", "tree_forward", "decision_commit", "between", "tokens_per_s", "tau"):
             a, b = rec["reference"][k], rec["ours"][k]
-            print(f"  {k:<18}{a:>11.3f}{b:>10.3f}{b / a if a else float('nan'):>10.2f}")
+            print(f"  {k:<18}{a:>11.3f}{b:>10.3f}{rec['ratio_ours_over_reference'].get(k, float('nan')):>10.2f}")
     meta = {"machine": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
             "python": sys.version.split()[0], "torch": torch.__version__, "threads": args.threads,
             "device": str(dev), "dtype": str(dtype), "command": " ".join(sys.argv)}
