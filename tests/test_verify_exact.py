@@ -292,16 +292,17 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
         assert torch.equal(getattr(host, f), getattr(dev, f)), f
         assert getattr(host, f).dtype == getattr(dev, f).dtype, f
     assert int(host.accept_len.max()) >= 2
-    a, b = host.host(tree, row_max_of=logits), dev.host(tree, row_max_of=logits)
-    assert dataclasses.replace(a, row_max=None) == dataclasses.replace(b, row_max=None) == host.host(tree)
+    a, b = host.host(tree, check_finite=logits), dev.host(tree, check_finite=logits)
+    assert a == b and a.first_nonfinite == [-1, -1, -1, -1]
+    assert dataclasses.replace(a, first_nonfinite=None) == host.host(tree)
     assert a.tree_nodes == [12, 1, 9, 5]
     assert a.path_tokens == [[int(tree.tokens[r, v]) for v in p] for r, p in enumerate(a.paths)]
     bad = logits.clone()
-    bad[2, 4, 1] = float("nan")  # the row max reports it, on either path
+    bad[2, 6, 1] = float("nan")  # the first non-finite valid row of each tree, on every path
     bad[2, 4, 3] = float("inf")
     bad[3, 0, :] = float("-inf")
-    bad[1, 0, 2] = float("inf")
-    nan_safe = lambda rows: [[x if x == x else "nan" for x in row] for row in rows]  # noqa: E731
-    want = nan_safe(bad.amax(-1).double().tolist())
-    assert [nan_safe(o.host(tree, row_max_of=bad).row_max) for o in both(bad)] == [want, want]
-    assert want[2][4] == "nan" and want[3][0] == float("-inf") and want[1][0] == float("inf")
+    bad[3, 7, :] = float("nan")  # a padded row of tree 3 (5 valid nodes): ignored
+    bad[1, 3, 2] = float("nan")  # padded too (1 valid node)
+    bad[0, 11, 2] = float("-inf")  # one -inf in a row is fine
+    outs = [o.host(tree, check_finite=bad).first_nonfinite for o in both(bad)]
+    assert outs == [[-1, -1, 4, 0]] * 2

@@ -304,19 +304,20 @@ done:
 
 /* Greedy (argmax-follow) verification of b trees on the host: the same decision as
  * sglang_tev.verify._greedy_on_host. logits: float32 [b, N, V] (contiguous); parents, tokens:
- * int64 [b, N]; valid: uint8 [b, N] (a prefix mask). Writes out: int64 [b, 2N + 3] = path (node
- * indices root-first, -1 padded) | path tokens (-1 padded) | accept_len | bonus | valid nodes, and
- * row_max: float32 [b, N], each node row's max (NaN when the row holds a NaN; the argmax is then
- * the first NaN, as NumPy's). Returns 0, or -1 when out of memory. One pass over each row (max and NaN test vectorise), then a scan
- * for the first maximum; the walk looks for the child carrying the argmax among later nodes. */
+ * int64 [b, N]; valid: uint8 [b, N] (a prefix mask). Writes out: int64 [b, 2N + 4] = path (node
+ * indices root-first, -1 padded) | path tokens (-1 padded) | accept_len | bonus | valid nodes |
+ * the first valid node whose row max is not finite (a NaN, +inf, or only -inf in its row), or -1.
+ * One packed pass per row (max and NaN test per block), then a scan of the first block holding the
+ * max for its first occurrence (NumPy's argmax: the first maximum, or the first NaN); the walk
+ * looks for the child carrying the argmax among later nodes. Returns 0, or -1 when out of memory. */
 int64_t greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, const int64_t *parents,
-                      const int64_t *tokens, const uint8_t *valid, int64_t *out, float *row_max) {
+                      const int64_t *tokens, const uint8_t *valid, int64_t *out) {
     int64_t *top = malloc(sizeof(int64_t) * (size_t)(b * N));
     if (!top) return -1;
     for (int64_t r = 0; r < b; r++) {
         const int64_t *par = parents + r * N, *tok = tokens + r * N;
-        int64_t *o = out + r * (2 * N + 3), *tp = top + r * N;
-        int64_t count = 0;
+        int64_t *o = out + r * (2 * N + 4), *tp = top + r * N;
+        int64_t count = 0, bad = -1;
         while (count < N && valid[r * N + count]) count++;
         for (int64_t v = 0; v < N; v++) {
             const float *row = logits + (r * N + v) * V;
@@ -344,7 +345,7 @@ int64_t greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, cons
                 while (arg < V - 1 && !(row[arg] == mx)) arg++;
             }
             tp[v] = arg;
-            row_max[r * N + v] = mx;
+            if (bad < 0 && v < count && !isfinite(mx)) bad = v;
         }
         for (int64_t i = 0; i < 2 * N; i++) o[i] = -1;
         int64_t cur = 0, len = 0;
@@ -366,6 +367,7 @@ int64_t greedy_follow(const float *logits, int64_t b, int64_t N, int64_t V, cons
         o[2 * N] = len;
         o[2 * N + 1] = tp[cur];
         o[2 * N + 2] = count;
+        o[2 * N + 3] = bad;
     }
     free(top);
     return 0;

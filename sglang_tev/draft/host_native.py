@@ -82,7 +82,7 @@ def _build() -> ctypes.CDLL | None:
                    ctypes.c_void_p]
     g = lib.greedy_follow
     g.restype = ctypes.c_int64
-    g.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
+    g.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
     mv = lib.kv_move
     mv.restype = None
     mv.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import os
 import time
 import warnings
@@ -588,13 +587,11 @@ class _Run:
         sampling = self._row_sampling()
         vout = verify_tree(tree, logits, method=self.vmethod, sampling=sampling, uniforms=self._uniforms(n),
                            validate=False)
-        # the row max is NaN for a row holding a NaN, +inf with a +inf, -inf when all are -inf
-        dec = vout.host(tree, row_max_of=logits)  # the one host sync of the round
-        for i, (row_max, m) in enumerate(zip(dec.row_max, dec.tree_nodes)):
-            bad = [v for v in range(m) if not math.isfinite(row_max[v])]
-            if bad:
+        # non-finite logits at any valid node (NaN, +inf, or only -inf in a row) stop the call
+        dec = vout.host(tree, check_finite=logits)  # the one host sync of the round
+        for i, v in enumerate(dec.first_nonfinite):
+            if v >= 0:
                 r = self.active[i]
-                v = bad[0]
                 raise NonFiniteLogitsError(
                     f"target logits are not finite (NaN, +inf or all -inf) at round {self.round_no}, prompt {r.index}, "
                     f"tree node {v} (depth {int(tree.depth[i, v])}, token {int(tree.tokens[i, v])}); "

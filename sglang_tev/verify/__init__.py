@@ -24,6 +24,7 @@ fp32 logits when Triton imports, the reference otherwise.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +64,9 @@ class HostDecision:
         accept_len, bonus: per tree, as :class:`VerifyOutput`.
         coverage: per tree, C_p as a float.
         tree_nodes: per tree, the valid nodes (root included).
-        row_max: per tree and node, the max of that node's logits row (NaN when the row holds a
-            NaN, +inf with a +inf, -inf when all are -inf: what a finiteness check needs), when
-            asked for with ``row_max_of``; else None.
+        first_nonfinite: per tree, the first valid node whose logits row holds a NaN or +inf
+            or only -inf (its max is not finite), or -1; when asked for with ``check_finite``,
+            else None.
     """
 
     paths: list
@@ -74,7 +75,7 @@ class HostDecision:
     bonus: list
     coverage: list
     tree_nodes: list
-    row_max: list | None = None
+    first_nonfinite: list | None = None
 
 
 class VerifyOutput:
@@ -103,7 +104,8 @@ class VerifyOutput:
 
     @classmethod
     def _from_host(cls, decision: tuple, width: int, coverage_dtype: torch.dtype) -> "VerifyOutput":
-        """From host lists (paths, path_tokens, accept_len, bonus, coverage, tree_nodes, row_max)."""
+        """From host lists (paths, path_tokens, accept_len, bonus, coverage, tree_nodes,
+        first_nonfinite)."""
         out = cls.__new__(cls)
         out._tensors, out._host, out._shape = None, decision, (width, coverage_dtype)
         return out
@@ -129,42 +131,47 @@ class VerifyOutput:
     def __repr__(self) -> str:
         return "VerifyOutput(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS) + ")"
 
-    def host(self, tree: DraftTree, row_max_of: torch.Tensor | None = None) -> HostDecision:
+    def host(self, tree: DraftTree, check_finite: torch.Tensor | None = None) -> HostDecision:
         """The decision on the host, in ONE device-to-host transfer (none when the verifier
         decided on the host: its lists are kept).
 
         Args:
             tree: the tree this output verifies (its tokens give ``path_tokens``).
-            row_max_of: optional float [b, N, V], the logits that were verified: each node row's
-                max comes back in the same transfer (the host verifier's own, read at its argmax).
+            check_finite: optional float [b, N, V], the logits that were verified: each tree's
+                first valid node with a non-finite row max comes back in the same transfer (the
+                host verifiers find it in the pass that takes the argmax).
         Returns:
             :class:`HostDecision`.
         """
         if self._host is not None:
             kept = self._host
-            row_max = None
-            if row_max_of is not None:
-                row_max = kept[6].t.tolist() if isinstance(kept[6], _LazyRows) else kept[6]
-            return HostDecision(*kept[:6], row_max=row_max)
+            return HostDecision(*kept[:6], first_nonfinite=None if check_finite is None else kept[6])
         path, accept_len, bonus, _, coverage = self._tensors
         b, n = path.shape
         path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))
         ints = torch.cat([path, path_tokens, accept_len.view(b, 1), bonus.view(b, 1),
                           tree.valid.sum(1, keepdim=True)], 1)
         parts = [ints.to(torch.float64), coverage.view(b, 1).to(torch.float64)]  # ids < 2^53: exact
-        if row_max_of is not None:
-            parts.append(row_max_of.amax(-1).to(torch.float64))
+        if check_finite is not None:
+            parts.append(check_finite.amax(-1).to(torch.float64))
         rows = torch.cat(parts, 1).tolist()  # the one transfer
         acc = [int(h[2 * n]) for h in rows]
+        nodes = [int(h[2 * n + 2]) for h in rows]
         return HostDecision(
             paths=[[int(x) for x in h[: a + 1]] for h, a in zip(rows, acc)],
             path_tokens=[[int(x) for x in h[n: n + a + 1]] for h, a in zip(rows, acc)],
             accept_len=acc,
             bonus=[int(h[2 * n + 1]) for h in rows],
             coverage=[h[2 * n + 3] for h in rows],
-            tree_nodes=[int(h[2 * n + 2]) for h in rows],
-            row_max=None if row_max_of is None else [h[2 * n + 4:] for h in rows],
+            tree_nodes=nodes,
+            first_nonfinite=None if check_finite is None else [_first_nonfinite(h[2 * n + 4:], m)
+                                                              for h, m in zip(rows, nodes)],
         )
+
+
+def _first_nonfinite(row_max: list, n_valid: int) -> int:
+    """The first of the first ``n_valid`` row maxima that is not finite, or -1."""
+    return next((v for v in range(n_valid) if not math.isfinite(row_max[v])), -1)
 
 
 def num_uniforms(method: str, num_nodes: int) -> int:
@@ -305,24 +312,23 @@ tree's lists. Larger batches (and every other device) use the tensor walk
 
 def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
     """Argmax-follow with the walk in Python: on CPU each small tensor op costs more than this
-    whole walk (caches are cold after the target forward). Keeps the lists (and every row's max,
-    read at its argmax) for :meth:`VerifyOutput.host`; tensors are built only if read."""
+    whole walk (caches are cold after the target forward). Keeps the lists (and the first valid
+    node whose row max, read at its argmax, is not finite) for :meth:`VerifyOutput.host`; tensors
+    are built only if read."""
     b, n = tree.batch_size, tree.num_nodes
     cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     fn = native_greedy() if logits.dtype == torch.float32 else None
     if fn is not None:  # the same walk in one C call (sglang_tev/draft/_ddtree_host.c)
         x = logits.contiguous()
         par, tok, val = tree.parents.contiguous(), tree.tokens.contiguous(), tree.valid.contiguous()
-        out = torch.empty(b, 2 * n + 3, dtype=torch.int64)
-        rmax = torch.empty(b, n, dtype=torch.float32)
-        if fn(x.data_ptr(), b, n, x.shape[-1], par.data_ptr(), tok.data_ptr(), val.data_ptr(), out.data_ptr(),
-              rmax.data_ptr()) != 0:
+        out = torch.empty(b, 2 * n + 4, dtype=torch.int64)
+        if fn(x.data_ptr(), b, n, x.shape[-1], par.data_ptr(), tok.data_ptr(), val.data_ptr(), out.data_ptr()) != 0:
             raise MemoryError("the native greedy walk could not allocate its scratch")
         rows = out.tolist()
         acc = [h[2 * n] for h in rows]
         return VerifyOutput._from_host(([h[: a + 1] for h, a in zip(rows, acc)], [h[n: n + a + 1] for h, a in zip(rows, acc)],
                                         acc, [h[2 * n + 1] for h in rows], [float(a) for a in acc],
-                                        [h[2 * n + 2] for h in rows], _LazyRows(rmax)), n, cover_dt)
+                                        [h[2 * n + 2] for h in rows], [h[2 * n + 3] for h in rows]), n, cover_dt)
     top, row_max = _argmax_and_max(logits)
     parents, tokens = tree.host()
     paths, path_tokens, acc, bonus = [], [], [], []
@@ -340,16 +346,8 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
         acc.append(len(path) - 1)
         bonus.append(tp[cur])
     return VerifyOutput._from_host((paths, path_tokens, acc, bonus, [float(a) for a in acc],
-                                    [len(p) for p in parents], row_max), n, cover_dt)
-
-
-class _LazyRows:
-    """A tensor read back as nested lists only when asked for (HostDecision.row_max)."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
+                                    [len(p) for p in parents],
+                                    [_first_nonfinite(m, len(p)) for m, p in zip(row_max, parents)]), n, cover_dt)
 
 
 def _argmax_and_max(logits: torch.Tensor) -> tuple[list, list]:
