@@ -77,17 +77,18 @@ def import_reference(ddtree_dir: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--ddtree-dir", required=True, help="checkout of liranringel/ddtree")
-    ap.add_argument("--target", default=None, help="target directory (default: the shipped tiny-code pair)")
-    ap.add_argument("--draft", default=None, help="DFlash drafter directory (default: the shipped tiny-code pair)")
-    ap.add_argument("--budgets", default="16,64")
+    ap.add_argument("--target", default=None, help="target directory (None: the shipped tiny-code pair)")
+    ap.add_argument("--draft", default=None, help="DFlash drafter directory (None: the shipped tiny-code pair)")
+    ap.add_argument("--budgets", default="16,64", help="DDTree budgets, comma-separated")
     ap.add_argument("--prompts", type=int, default=10, help="first N HumanEval prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bf16 there)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="interleaved sweeps per budget; stage times and ratios are their medians (default 1)")
+                    help="interleaved sweeps per budget; stage times and ratios are their medians")
     ap.add_argument("--output", default=None, help="write the records as JSON here")
     args = ap.parse_args(argv)
     if args.repeats < 1:

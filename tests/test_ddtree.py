@@ -274,3 +274,64 @@ def test_host_lists_of_built_trees_equal_the_tensors():
         fresh = DraftTree(tree.parents, tree.tokens, tree.valid, tree.depth, tree.ancestor_mask, tree.max_depth)
         assert tree.host() == fresh.host(), impl
         assert [len(p) for p in fresh.host()[0]] == tree.valid.sum(1).tolist() == [12, 12, 1]
+
+
+def test_host_builders_agree_on_nan_log_probs():
+    """validate=False with NaN in the draft law (NaN reads as -inf on both host paths): the C and
+    Python builders give the same tree and neither crashes."""
+    from sglang_tev.draft import ddtree as dd
+    from sglang_tev.draft.host_native import native_builder
+
+    fn = native_builder()
+    if fn is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(5)
+    for budget in (1, 7, 100):
+        logq = torch.log_softmax(torch.randn(3, 4, 300, generator=g) * 3, -1)
+        logq[0, 1] = float("nan")  # a whole depth
+        logq[1, 0, ::7] = float("nan")  # some tokens, the first included
+        logq[2, 2, 5:] = float("nan")
+        roots = torch.tensor([1, 2, 3])
+        lq_rows, id_rows = dd._ranked_survivors(logq, budget, None, None)
+        a = dd._build_heap(lq_rows, id_rows, budget, roots, None, None)
+        _assert_same_tree(dd._build_native(fn, logq, budget, roots, None, None), a, budget)
+        assert int(a.valid[0].sum()) == 1 + min(budget, 300)  # depth 1 still fills the budget
+
+
+def test_builder_option_shapes_are_checked_on_every_path():
+    """A depth_limit / leaf_tokens / root_tokens of the wrong batch size is an error naming it, with
+    validate=True and, on the C path (which would read past them), with validate=False too."""
+    logits = torch.randn(4, 3, 50)
+    roots = torch.arange(4)
+    for kw in ({"depth_limit": torch.tensor([3])}, {"leaf_tokens": torch.tensor([[1, 2]])}):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=name):
+            build_ddtree(logits, 8, roots, **kw)
+        with pytest.raises(ValueError, match=name):
+            build_ddtree(logits, 8, roots, validate=False, **kw)
+    with pytest.raises(ValueError, match="root_tokens"):
+        build_ddtree(logits, 8, torch.arange(2), validate=False)
+
+
+def test_native_library_that_does_not_load_is_rebuilt(tmp_path):
+    """A truncated file under the library's name is replaced by a fresh build (when a compiler
+    is here), and older builds in the cache are removed."""
+    import hashlib
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from sglang_tev.draft import host_native
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here")
+    digest = hashlib.sha256(open(host_native._SOURCE, "rb").read()).hexdigest()[:16]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"ddtree_host-{digest}.so").write_bytes(b"not a library")
+    (cache / "ddtree_host-0123456789abcdef.so").write_bytes(b"an old build")
+    code = "from sglang_tev.draft.host_native import native_builder; assert native_builder() is not None"
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SGLANG_TEV_CACHE=str(cache)), check=True)
+    assert sorted(p.name for p in cache.iterdir()) == [f"ddtree_host-{digest}.so"]
+    assert (cache / f"ddtree_host-{digest}.so").stat().st_size > 1000

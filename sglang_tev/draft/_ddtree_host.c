@@ -100,7 +100,7 @@ static void min_push(double *h, int *n, double x) {
 static float max_and_nan(const float *x, int64_t n, int *nan_out) {
     float m[8];
     int32_t nan[8] = {0};
-    for (int l = 0; l < 8; l++) m[l] = x[0];
+    for (int l = 0; l < 8; l++) m[l] = -INFINITY; /* the max of the non-NaN entries (-inf if none) */
     int64_t t = 0;
     for (; t + 8 <= n; t += 8)
         for (int l = 0; l < 8; l++) {
@@ -198,7 +198,8 @@ int64_t ddtree_build(const float *lq, int64_t b, int64_t H, int64_t V, int64_t b
             P[j + 1] = P[j] + m[j];
             if (S > 0 && hb == hl) {
                 int64_t arg = 0;
-                while (arg < V - 1 && !(row[arg] == best)) arg++; /* the lowest-id best token */
+                while (arg < V - 1 && !(row[arg] == best || (best == -INFINITY && row[arg] != row[arg])))
+                    arg++; /* the lowest-id best token (NaN reads as -inf) */
                 for (int64_t s = 0; s < S; s++)
                     if (leaf[s] >= 0 && leaf[s] == arg) {
                         hb = j + 1; /* prefixes through the chain's leaf token do not exist */
@@ -206,7 +207,8 @@ int64_t ddtree_build(const float *lq, int64_t b, int64_t H, int64_t V, int64_t b
                     }
             }
         }
-        /* (1) the bound: the budget-th largest Y over the block maxima (distinct prefixes) */
+        /* (1) the bound: the budget-th largest Y over the block maxima (distinct prefixes);
+         * NaN entries read as -inf throughout (block maxima skip them) */
         int nb = 0;
         for (int64_t j = 0; j < hb; j++) {
             double pj = P[j];
@@ -244,12 +246,14 @@ int64_t ddtree_build(const float *lq, int64_t b, int64_t H, int64_t V, int64_t b
                         cand = grown;
                         cand_cap = cap;
                     }
-                    for (int64_t t = lo; t < hi; t++)
-                        if (pj + (double)row[t] >= thr) {
-                            cand[total].lq = row[t];
+                    for (int64_t t = lo; t < hi; t++) {
+                        float v = row[t] == row[t] ? row[t] : -INFINITY;
+                        if (pj + (double)v >= thr) {
+                            cand[total].lq = v;
                             cand[total].id = (int32_t)t;
                             total++;
                         }
+                    }
                 }
             qsort(cand + start[j], (size_t)(total - start[j]), sizeof(cand_t), cand_cmp);
             len[j] = total - start[j] < k ? total - start[j] : k;

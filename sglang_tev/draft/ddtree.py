@@ -55,6 +55,15 @@ def _check_roots(root_tokens, b: int, device) -> None:
         raise ValueError("root_tokens must be on the device of the draft tensors")
 
 
+def _check_options(b0: int, depth_limit, leaf_tokens) -> None:
+    if depth_limit is not None and (not isinstance(depth_limit, torch.Tensor) or depth_limit.dtype != torch.int64
+                                    or tuple(depth_limit.shape) != (b0,)):
+        raise ValueError(f"depth_limit must be an int64 tensor [{b0}]")
+    if leaf_tokens is not None and (not isinstance(leaf_tokens, torch.Tensor) or leaf_tokens.dtype != torch.int64
+                                    or leaf_tokens.dim() != 2 or leaf_tokens.shape[0] != b0):
+        raise ValueError(f"leaf_tokens must be an int64 tensor [{b0}, S]")
+
+
 def _canonical_order(lq: torch.Tensor, ids: torch.Tensor):
     """Sort each depth's list by (log-prob desc, token id asc)."""
     o = ids.argsort(dim=-1, stable=True)
@@ -119,13 +128,7 @@ def build_ddtree_topk(
         _check_roots(root_tokens, topk_logprobs.shape[0], topk_logprobs.device)
         if bool((torch.isnan(topk_logprobs) | (topk_logprobs == float("inf"))).any()):
             raise ValueError("topk_logprobs contains NaN or +inf")
-        b0 = topk_logprobs.shape[0]
-        if depth_limit is not None and (not isinstance(depth_limit, torch.Tensor) or depth_limit.dtype != torch.int64
-                                        or tuple(depth_limit.shape) != (b0,)):
-            raise ValueError(f"depth_limit must be an int64 tensor [{b0}]")
-        if leaf_tokens is not None and (not isinstance(leaf_tokens, torch.Tensor) or leaf_tokens.dtype != torch.int64
-                                        or leaf_tokens.dim() != 2 or leaf_tokens.shape[0] != b0):
-            raise ValueError(f"leaf_tokens must be an int64 tensor [{b0}, S]")
+        _check_options(topk_logprobs.shape[0], depth_limit, leaf_tokens)
     if impl not in ("auto", "heap", "levels"):
         raise ValueError(f"impl must be 'auto', 'heap' or 'levels', got {impl!r}")
     b, H, k = topk_logprobs.shape
@@ -257,6 +260,8 @@ def _ranked_survivors(logq: torch.Tensor, budget: int, depth_limit, leaf_tokens)
     import numpy as np
 
     x = logq.detach().to(torch.float32).cpu()
+    if bool(torch.isnan(x).any()):  # as the C builder: a NaN log q reads as -inf
+        x = torch.nan_to_num(x, nan=float("-inf"))
     b, H, V = x.shape
     k = min(budget, V)
     G = SURVIVOR_GROUP
@@ -487,11 +492,19 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Ten
             raise ValueError("draft_logits contains NaN or +inf")
         if bool((draft_logits == float("-inf")).all(-1).any()):
             raise ValueError("draft_logits has a row whose entries are all -inf")
+        _check_options(draft_logits.shape[0], depth_limit, leaf_tokens)
     if budget == 0:
         return _root_only(root_tokens)
     if impl not in ("auto", "heap", "levels"):
         raise ValueError(f"impl must be 'auto', 'heap' or 'levels', got {impl!r}")
     if _use_heap(impl, draft_logits) and draft_logits.shape[1] > 0:
+        b = draft_logits.shape[0]  # the host paths (C included) read b entries: shapes checked even unvalidated
+        if depth_limit is not None and tuple(depth_limit.shape) != (b,):
+            raise ValueError(f"depth_limit must be an int64 tensor [{b}], got shape {tuple(depth_limit.shape)}")
+        if leaf_tokens is not None and (leaf_tokens.dim() != 2 or leaf_tokens.shape[0] != b):
+            raise ValueError(f"leaf_tokens must be an int64 tensor [{b}, S], got shape {tuple(leaf_tokens.shape)}")
+        if tuple(root_tokens.shape) != (b,):
+            raise ValueError(f"root_tokens must have shape [{b}], got {tuple(root_tokens.shape)}")
         logq = torch.log_softmax(draft_logits.detach().to(torch.float32), dim=-1)  # as draft_topk
         fn = native_builder() if logq.device.type == "cpu" and logq.shape[1] <= HMAX else None
         if fn is not None:

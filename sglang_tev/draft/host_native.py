@@ -5,12 +5,14 @@ On CPU every small tensor or NumPy op costs tens of microseconds right after a m
 (its weights have evicted the caches), so a builder made of many small ops loses to one native
 call. This module compiles ``_ddtree_host.c`` (plain C, no Python headers, about a second) into
 a per-user cache directory and calls it through :mod:`ctypes`. Where that is not possible (no C
-compiler, a read-only cache, ``SGLANG_TEV_NATIVE=0``), :func:`native_builder` returns None and the
-builder stays in Python: both give identical trees (``tests/test_ddtree.py``).
+compiler, a read-only cache, ``SGLANG_TEV_NATIVE=0`` / ``false`` / ``off``), the functions here
+return None and the callers stay in Python: both give identical outputs (``tests/test_ddtree.py``,
+``tests/test_verify_exact.py``, ``tests/test_hf_batch.py``).
 
 Cache directory: ``$SGLANG_TEV_CACHE`` or ``$XDG_CACHE_HOME/sglang_tev`` (default
 ``~/.cache/sglang_tev``); the library's name carries a hash of the source, so an upgrade rebuilds
-it. Compiler: ``$CC`` or the first of ``cc``, ``gcc``, ``clang`` on ``PATH``.
+it (older builds are removed; a file that does not load is rebuilt). Compiler: ``$CC`` (may carry
+arguments: ``"ccache gcc"``) or the first of ``cc``, ``gcc``, ``clang`` on ``PATH``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -42,15 +45,19 @@ def _cache_dir() -> str:
     return base
 
 
-def _compiler() -> str | None:
+def _compiler() -> list[str] | None:
     cc = os.environ.get("CC")
     if cc:
-        return cc
+        return shlex.split(cc)  # "ccache gcc", "gcc -std=c99"
     for name in ("cc", "gcc", "clang"):
         path = shutil.which(name)
         if path:
-            return path
+            return [path]
     return None
+
+
+def _disabled() -> bool:
+    return os.environ.get("SGLANG_TEV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _build() -> ctypes.CDLL | None:
@@ -58,22 +65,38 @@ def _build() -> ctypes.CDLL | None:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
     out_dir = _cache_dir()
     lib_path = os.path.join(out_dir, f"ddtree_host-{digest}.so")
-    if not os.path.exists(lib_path):
+    if os.path.exists(lib_path):
+        try:
+            lib = ctypes.CDLL(lib_path)
+        except OSError:  # a truncated or foreign file under our name: build it again
+            _log.info("sglang_tev: %s does not load; rebuilding it", lib_path)
+            os.remove(lib_path)
+            lib = None
+    else:
+        lib = None
+    if lib is None:
         cc = _compiler()
         if cc is None:
-            _log.info("sglang_tev: no C compiler found; the DDTree builder runs in Python")
+            _log.info("sglang_tev: no C compiler found; the host helpers run in Python")
             return None
         os.makedirs(out_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:  # build beside the target, then rename: concurrent builders never see half a file
-            subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True,
+            subprocess.run([*cc, "-O3", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True,
                            timeout=120)
+            os.chmod(tmp, 0o755)  # readable by others sharing the cache
             os.replace(tmp, lib_path)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-    lib = ctypes.CDLL(lib_path)
+        for old in os.listdir(out_dir):  # builds of older sources
+            if old.startswith("ddtree_host-") and old.endswith(".so") and old != os.path.basename(lib_path):
+                try:
+                    os.remove(os.path.join(out_dir, old))
+                except OSError:
+                    pass
+        lib = ctypes.CDLL(lib_path)
     fn = lib.ddtree_build
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -103,12 +126,12 @@ def native_greedy():
 
 def native_builder():
     """The C ``ddtree_build`` function, or None where it cannot be built or is disabled
-    (``SGLANG_TEV_NATIVE=0``, read at the first call). Built and loaded once per process; failures are logged at INFO
+    (``SGLANG_TEV_NATIVE=0`` / ``false`` / ``no`` / ``off``, read at the first call). Built and loaded once per process; failures are logged at INFO
     level and never raised (the Python builder takes over)."""
     global _lib, _tried
     if not _tried:
         _tried = True
-        if os.environ.get("SGLANG_TEV_NATIVE", "1") == "0":
+        if _disabled():
             return None
         try:
             _lib = _build()
