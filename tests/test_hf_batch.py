@@ -241,3 +241,15 @@ def test_compact_one_row_fast_path_equals_the_gather(monkeypatch, native, dtype)
         before.update(k.to(dtype), (k + 1).to(dtype), layer)
     assert torch.equal(caches[0].kv[:, :, 1, :, 10:15], before.kv[:, :, 1, :, [10, 11, 13, 16, 20]])
     assert torch.equal(caches[0].kv[:, :, [0, 2]], before.kv[:, :, [0, 2]])  # other rows untouched
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_gather_nodes_equals_index_select(monkeypatch, native):
+    """The one-row feature gather of the commit (a C copy on CPU) equals feats.index_select."""
+    from sglang_tev.hf import runtime as rt
+
+    if not native:
+        monkeypatch.setattr(rt, "native", lambda name: None)
+    feats = torch.randn(1, 9, 12)
+    for nodes in ([0, 1, 4, 7], [0], [0, 2, 3, 5, 6, 8]):
+        assert torch.equal(rt._gather_nodes(feats, nodes), feats.index_select(1, torch.tensor(nodes)))

@@ -393,3 +393,19 @@ void kv_move(char *base, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t
                         memmove(blk + (dst_start + j) * slot_bytes, blk + src[j] * slot_bytes, (size_t)slot_bytes);
             }
 }
+
+/* The runtime's kept additive tree mask, one row: `mask` is float32 [n, row_len] (the row's
+ * [N, max_len] slice). Columns [done, L) become context (0) and the tree window [L, L + n) gets the
+ * ancestor mask (0 where anc[q, j], `low` elsewhere). */
+void mask_update(float *mask, int64_t n, int64_t row_len, int64_t done, int64_t L, const uint8_t *anc, float low) {
+    for (int64_t q = 0; q < n; q++) {
+        float *row = mask + q * row_len;
+        for (int64_t c = done; c < L; c++) row[c] = 0.0f;
+        for (int64_t j = 0; j < n; j++) row[L + j] = anc[q * n + j] ? 0.0f : low;
+    }
+}
+
+/* Rows idx[0..w) of a row-major buffer (row_bytes each) copied, in order, into dst. */
+void gather_rows(const char *src, int64_t row_bytes, const int64_t *idx, int64_t w, char *dst) {
+    for (int64_t j = 0; j < w; j++) memcpy(dst + j * row_bytes, src + idx[j] * row_bytes, (size_t)row_bytes);
+}

@@ -1,5 +1,5 @@
 """Host-side C helpers (``_ddtree_host.c``): the DDTree builder, the greedy walk and the runtime's
-one-row KV move, built on first use with the system compiler.
+one-row KV move, tree-mask update and feature gather, built on first use with the system compiler.
 
 On CPU every small tensor or NumPy op costs tens of microseconds right after a model forward
 (its weights have evicted the caches), so a builder made of many small ops loses to one native
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["native_builder", "native_greedy", "native_kv_move", "HMAX"]
+__all__ = ["native", "native_builder", "native_greedy", "native_kv_move", "HMAX"]
 
 HMAX = 64
 """Deepest depth the C builder takes (``HMAX`` in the C source)."""
@@ -109,7 +109,21 @@ def _build() -> ctypes.CDLL | None:
     mv = lib.kv_move
     mv.restype = None
     mv.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    mu = lib.mask_update
+    mu.restype = None
+    mu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_float]
+    gr = lib.gather_rows
+    gr.restype = None
+    gr.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return lib
+
+
+def native(name: str):
+    """One of the C helpers by name (``mask_update``, ``gather_rows``, ...), or None as
+    :func:`native_builder`."""
+    native_builder()
+    return None if _lib is None else getattr(_lib, name)
 
 
 def native_kv_move():

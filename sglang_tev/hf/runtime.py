@@ -28,6 +28,7 @@ when ``time_stages`` is set (the benchmark sets it). On CPU everything is host m
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 import os
@@ -39,6 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..draft.ddtree import build_ddtree
+from ..draft.host_native import native
 from ..sampling import SamplingParams
 from ..tree import DraftTree, additive_mask
 from ..verify import METHODS as VERIFIERS
@@ -517,15 +519,23 @@ class _Run:
             self._mask_vals = (torch.zeros((), dtype=dt, device=self.dev), torch.full((), low, dtype=dt, device=self.dev))
         buf = self._mask_buf
         zero, low = self._mask_vals
+        anc = tree.ancestor_mask
+        update = None
+        if buf.device.type == "cpu" and buf.dtype == torch.float32 and anc.is_contiguous():
+            update = native("mask_update")  # one C call per row: no tensor op
         for i, r in enumerate(self.active):
             owner, done = self._mask_rows[i]
             L = r.past_len
             if owner is not r or done > L:
                 buf[i].fill_(low)
                 done = 0
-            if L > done:
-                buf[i, 0, :, done:L] = 0
-            torch.where(tree.ancestor_mask[i], zero, low, out=buf[i, 0, :, L: L + n])
+            if update is not None:
+                update(buf.data_ptr() + 4 * i * buf.stride(0), n, self.max_len, done, L, anc.data_ptr() + i * n * n,
+                       float(low))
+            else:
+                if L > done:
+                    buf[i, 0, :, done:L] = 0
+                torch.where(anc[i], zero, low, out=buf[i, 0, :, L: L + n])
             self._mask_rows[i] = (r, L)
         return buf[:b, :, :, :kv_len]
 
@@ -615,7 +625,7 @@ class _Run:
                     self.cache.compact_row(sl.start, [start + v for v in paths[0]], start)
                 ctx = None
                 if feats is not None:
-                    ctx = feats[:, :w] if in_place else feats.index_select(1, torch.tensor(paths[0], device=self.dev))
+                    ctx = feats[:, :w] if in_place else _gather_nodes(feats, paths[0])
             else:
                 dst = lens.view(b, 1) + self._slots[:w]
                 ctx = None if feats is None else feats[:, :w]
@@ -1102,6 +1112,18 @@ class SpeculativeGenerator:
                 if any(s in text for s in stop_strings):
                     return block[: i + 1], "stop"
         return block, reason
+
+def _gather_nodes(feats: torch.Tensor, nodes: list[int]) -> torch.Tensor:
+    """``feats[:, nodes]`` of one row's features [1, N, F] (on CPU one C copy, no index tensor)."""
+    gather = native("gather_rows") if feats.device.type == "cpu" and feats.is_contiguous() else None
+    if gather is None:
+        return feats.index_select(1, torch.tensor(nodes, device=feats.device))
+    out = feats.new_empty(1, len(nodes), feats.shape[-1])
+    row_bytes = feats.shape[-1] * feats.element_size()
+    idx = (ctypes.c_int64 * len(nodes))(*nodes)
+    gather(feats.data_ptr(), row_bytes, ctypes.addressof(idx), len(nodes), out.data_ptr())
+    return out
+
 
 def _root_only(roots: torch.Tensor) -> DraftTree:
     """Root-only trees (autoregressive steps), built without a host sync."""
