@@ -323,7 +323,7 @@ def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit,
 
     b, H, V = logq.shape
     n = 1 + budget
-    x = logq.contiguous()
+    x = logq if logq.is_contiguous() else logq.contiguous()  # (attribute checks: cheaper than no-op calls)
     if depth_limit is None:  # a ctypes array: no tensor op for the common case
         limits = (ctypes.c_int64 * b)(*([H] * b))
         limits_ptr = ctypes.addressof(limits)
@@ -331,7 +331,8 @@ def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit,
         limits = depth_limit.to(torch.int64).contiguous()
         limits_ptr = limits.data_ptr()
     leaves = None if leaf_tokens is None else leaf_tokens.to(torch.int64).contiguous()
-    roots = root_tokens.to(torch.int64).contiguous()
+    roots = root_tokens if root_tokens.dtype == torch.int64 and root_tokens.is_contiguous() else \
+        root_tokens.to(torch.int64).contiguous()
     ints = torch.empty(3, b, n, dtype=torch.int64)  # parents | tokens | depth
     counts = torch.empty(b, dtype=torch.int64)
     valid = torch.empty(b, n, dtype=torch.bool)  # bool is one byte holding 0 / 1, as C writes it
@@ -505,7 +506,8 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Ten
             raise ValueError(f"leaf_tokens must be an int64 tensor [{b}, S], got shape {tuple(leaf_tokens.shape)}")
         if tuple(root_tokens.shape) != (b,):
             raise ValueError(f"root_tokens must have shape [{b}], got {tuple(root_tokens.shape)}")
-        logq = torch.log_softmax(draft_logits.detach().to(torch.float32), dim=-1)  # as draft_topk
+        x = draft_logits if draft_logits.dtype == torch.float32 else draft_logits.to(torch.float32)
+        logq = torch.log_softmax(x.detach(), dim=-1)  # as draft_topk
         fn = native_builder() if logq.device.type == "cpu" and logq.shape[1] <= HMAX else None
         if fn is not None:
             return _build_native(fn, logq, budget, root_tokens, depth_limit, leaf_tokens)

@@ -319,8 +319,8 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
     cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     fn = native_greedy() if logits.dtype == torch.float32 else None
     if fn is not None:  # the same walk in one C call (sglang_tev/draft/_ddtree_host.c)
-        x = logits.contiguous()
-        par, tok, val = tree.parents.contiguous(), tree.tokens.contiguous(), tree.valid.contiguous()
+        x, par, tok, val = (t if t.is_contiguous() else t.contiguous()
+                            for t in (logits, tree.parents, tree.tokens, tree.valid))
         out = torch.empty(b, 2 * n + 4, dtype=torch.int64)
         if fn(x.data_ptr(), b, n, x.shape[-1], par.data_ptr(), tok.data_ptr(), val.data_ptr(), out.data_ptr()) != 0:
             raise MemoryError("the native greedy walk could not allocate its scratch")
