@@ -221,7 +221,7 @@ def test_compact_one_row_fast_path_equals_the_gather(monkeypatch, native, dtype)
     from sglang_tev.hf.static_cache import StaticKVCache
 
     if not native:
-        monkeypatch.setattr(static_cache, "native_kv_move", lambda: None)
+        monkeypatch.setattr(static_cache, "native", lambda name: None)
     caches = []
     for _ in range(2):
         c = StaticKVCache(3, 24, 2, "cpu", dtype)

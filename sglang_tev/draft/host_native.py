@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["native", "native_builder", "native_greedy", "native_kv_move", "HMAX"]
+__all__ = ["native", "native_builder", "HMAX"]
 
 HMAX = 64
 """Deepest depth the C builder takes (``HMAX`` in the C source)."""
@@ -120,36 +120,23 @@ def _build() -> ctypes.CDLL | None:
 
 
 def native(name: str):
-    """One of the C helpers by name (``mask_update``, ``gather_rows``, ...), or None as
-    :func:`native_builder`."""
-    native_builder()
-    return None if _lib is None else getattr(_lib, name)
-
-
-def native_kv_move():
-    """The C ``kv_move`` function (one row's KV commit on the host), or None as :func:`native_builder`."""
-    native_builder()
-    return None if _lib is None else _lib.kv_move
-
-
-def native_greedy():
-    """The C ``greedy_follow`` function (argmax-follow on the host), or None as :func:`native_builder`."""
-    native_builder()
-    return None if _lib is None else _lib.greedy_follow
-
-
-def native_builder():
-    """The C ``ddtree_build`` function, or None where it cannot be built or is disabled
-    (``SGLANG_TEV_NATIVE=0`` / ``false`` / ``no`` / ``off``, read at the first call). Built and loaded once per process; failures are logged at INFO
-    level and never raised (the Python builder takes over)."""
+    """One C helper of ``_ddtree_host.c`` by name (``ddtree_build``, ``greedy_follow``, ``kv_move``,
+    ``mask_update``, ``gather_rows``), or None where the library cannot be built or is disabled
+    (``SGLANG_TEV_NATIVE=0`` / ``false`` / ``no`` / ``off``, read at the first call). Built and
+    loaded once per process; failures are logged at INFO level and never raised (the callers'
+    Python paths take over)."""
     global _lib, _tried
     if not _tried:
         _tried = True
-        if _disabled():
-            return None
-        try:
-            _lib = _build()
-        except (OSError, subprocess.SubprocessError) as e:
-            _log.info("sglang_tev: could not build the native DDTree builder (%s); it runs in Python", e)
-            _lib = None
-    return None if _lib is None else _lib.ddtree_build
+        if not _disabled():
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as e:
+                _log.info("sglang_tev: could not build the native host helpers (%s); they run in Python", e)
+                _lib = None
+    return None if _lib is None else getattr(_lib, name)
+
+
+def native_builder():
+    """The C ``ddtree_build`` function, or None (see :func:`native`)."""
+    return native("ddtree_build")

@@ -65,8 +65,9 @@ builder's memory grows as budget x min(budget, V)."""
 
 
 KEPT_MASK_MAX_ROWS = 4
-"""Batches of at most this many rows update one kept tree-mask buffer in place (two slice writes
-per row); larger ones build the mask in one vectorised pass (``static_cache.tree_masks``)."""
+"""Batches of at most this many rows update one kept tree-mask buffer in place (per row one C
+call, or two slice writes); larger ones build the mask in one vectorised pass
+(``static_cache.tree_masks``)."""
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -506,7 +507,7 @@ class _Run:
         additive float mask (0 = attend, ``finfo.min`` = masked), kept in one buffer
         [cap, 1, N, max_len] and updated in place as the reference keeps its mask: per row, the
         columns that became context since its last round are zeroed and its tree window gets the
-        ancestor mask (one ``where`` into the window). Columns past a row's window were never
+        ancestor mask (one C call on CPU float32, else a fill and a ``where``). Columns past a row's window were never
         opened for it (rows only grow), so they stay masked; a slot that changes hands is reset
         first. Float, so SDPA does not convert a bool mask in every layer."""
         b, n = tree.parents.shape
@@ -516,9 +517,9 @@ class _Run:
             low = torch.finfo(dt).min
             self._mask_buf = torch.full((self.cap, 1, n, self.max_len), low, dtype=dt, device=self.dev)
             self._mask_rows = [(None, 0)] * self.cap
-            self._mask_vals = (torch.zeros((), dtype=dt, device=self.dev), torch.full((), low, dtype=dt, device=self.dev))
+            self._mask_vals = (torch.zeros((), dtype=dt, device=self.dev), torch.full((), low, dtype=dt, device=self.dev), low)
         buf = self._mask_buf
-        zero, low = self._mask_vals
+        zero, low, low_f = self._mask_vals  # 0-d tensors for torch.where; the Python float for C
         anc = tree.ancestor_mask
         update = None
         if buf.device.type == "cpu" and buf.dtype == torch.float32 and anc.is_contiguous():
@@ -527,11 +528,11 @@ class _Run:
             owner, done = self._mask_rows[i]
             L = r.past_len
             if owner is not r or done > L:
-                buf[i].fill_(low)
+                buf[i].fill_(low_f)
                 done = 0
             if update is not None:
-                update(buf.data_ptr() + 4 * i * buf.stride(0), n, self.max_len, done, L, anc.data_ptr() + i * n * n,
-                       float(low))
+                update(buf.data_ptr() + buf.element_size() * i * buf.stride(0), n, self.max_len, done, L,
+                       anc.data_ptr() + i * n * n, low_f)
             else:
                 if L > done:
                     buf[i, 0, :, done:L] = 0
@@ -586,8 +587,8 @@ class _Run:
 
     def verify(self, tree: DraftTree, logits: torch.Tensor):
         """Controls at every node, the verifier, and the round's one host sync: the decision and
-        every node's row maximum (the finiteness check) read back together
-        (:meth:`~sglang_tev.verify.VerifyOutput.host`)."""
+        each row's first valid node with non-finite logits (the finiteness check) read back
+        together (:meth:`~sglang_tev.verify.VerifyOutput.host`)."""
         b, n = tree.parents.shape
         if self.use_controls:
             logits = apply_controls(logits, tree, [r.controls for r in self.active], self.counts[:b] if self.counts is not None else None,
@@ -1112,6 +1113,7 @@ class SpeculativeGenerator:
                 if any(s in text for s in stop_strings):
                     return block[: i + 1], "stop"
         return block, reason
+
 
 def _gather_nodes(feats: torch.Tensor, nodes: list[int]) -> torch.Tensor:
     """``feats[:, nodes]`` of one row's features [1, N, F] (on CPU one C copy, no index tensor)."""

@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from ..draft.host_native import native_kv_move
+from ..draft.host_native import native
 
 __all__ = ["StaticKVCache", "AttentionLayout", "attention_layout"]
 
@@ -156,7 +156,7 @@ class StaticKVCache:
         ``[dst_start, dst_start + len(src))`` in every layer. On CPU one C call over every
         (layer, K/V, head) block (no tensor op); else an index_select and a slice copy."""
         w = len(src)
-        move = native_kv_move() if self.device.type == "cpu" else None
+        move = native("kv_move") if self.device.type == "cpu" else None
         idx = None
         for buf, lead in self._buffers():
             x = buf[(slice(None),) * lead + (row,)]  # [..., kv_heads, max_len, head_dim]

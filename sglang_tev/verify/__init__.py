@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..draft.host_native import native
 from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_probs, validate_logits
 from ..tree import DraftTree, edge_probs, exit_law_from_edges
 from . import predraw as _predraw
 from . import sequential as _sequential
-from ..draft.host_native import native_greedy
+from ._common import argmax_and_max
 from .greedy import greedy_verify
 from .predraw import predraw_verify
 from .sequential import sequential_verify
@@ -317,7 +318,7 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
     are built only if read."""
     b, n = tree.batch_size, tree.num_nodes
     cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    fn = native_greedy() if logits.dtype == torch.float32 else None
+    fn = native("greedy_follow") if logits.dtype == torch.float32 else None
     if fn is not None:  # the same walk in one C call (sglang_tev/draft/_ddtree_host.c)
         x, par, tok, val = (t if t.is_contiguous() else t.contiguous()
                             for t in (logits, tree.parents, tree.tokens, tree.valid))
@@ -329,7 +330,7 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
         return VerifyOutput._from_host(([h[: a + 1] for h, a in zip(rows, acc)], [h[n: n + a + 1] for h, a in zip(rows, acc)],
                                         acc, [h[2 * n + 1] for h in rows], [float(a) for a in acc],
                                         [h[2 * n + 2] for h in rows], [h[2 * n + 3] for h in rows]), n, cover_dt)
-    top, row_max = _argmax_and_max(logits)
+    top, row_max = argmax_and_max(logits)
     parents, tokens = tree.host()
     paths, path_tokens, acc, bonus = [], [], [], []
     for r in range(b):
@@ -348,19 +349,6 @@ def _greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
     return VerifyOutput._from_host((paths, path_tokens, acc, bonus, [float(a) for a in acc],
                                     [len(p) for p in parents],
                                     [_first_nonfinite(m, len(p)) for m, p in zip(row_max, parents)]), n, cover_dt)
-
-
-def _argmax_and_max(logits: torch.Tensor) -> tuple[list, list]:
-    """Per node row: the argmax (lowest id among ties) and the value there, which is the row's
-    max (NaN if the row holds a NaN: NumPy's and torch's argmax return the first NaN), as lists."""
-    if logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
-        import numpy as np
-
-        x = logits.numpy()
-        top = np.argmax(x, axis=-1)
-        return top.tolist(), np.take_along_axis(x, top[..., None], -1)[..., 0].tolist()
-    top = logits.argmax(-1)
-    return top.tolist(), logits.gather(-1, top.unsqueeze(-1)).squeeze(-1).float().tolist()
 
 
 def _use_kernel(backend: str | None, method: str, logits) -> bool:
