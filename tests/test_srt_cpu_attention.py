@@ -47,14 +47,14 @@ SCALE = 0.37
 class Setup:
     """Real SGLang pools with ragged cached prefixes at scattered slots, and the reference data."""
 
-    def __init__(self, prefix_lens, q_lens, hq=4, hkv=2, seed=0, dv=HEAD_DIM):
+    def __init__(self, prefix_lens, q_lens, hq=4, hkv=2, seed=0, dv=HEAD_DIM, dtype=torch.float32):
         g = torch.Generator().manual_seed(seed)
         self.g = g
         self.hq, self.hkv, self.dv = hq, hkv, dv
         self.bs = len(prefix_lens)
         self.prefix_lens, self.q_lens = list(prefix_lens), list(q_lens)
         self.kv = MHATokenToKVPool(
-            size=POOL_SLOTS, page_size=1, dtype=torch.float32, head_num=hkv, head_dim=HEAD_DIM, layer_num=2,
+            size=POOL_SLOTS, page_size=1, dtype=dtype, head_num=hkv, head_dim=HEAD_DIM, layer_num=2,
             device="cpu", enable_memory_saver=False, v_head_dim=dv,
         )  # fmt: skip
         self.r2t = ReqToTokenPool(size=self.bs + 3, max_context_len=MAX_CTX, device="cpu", enable_memory_saver=False)
@@ -70,8 +70,8 @@ class Setup:
             pos += n
             self.r2t.req_to_token[self.req[b], :n] = s.to(self.r2t.req_to_token.dtype)
             self.slots.append(s)
-            pk = torch.randn(self.prefix_lens[b], hkv, HEAD_DIM, generator=g)
-            pv = torch.randn(self.prefix_lens[b], hkv, dv, generator=g)
+            pk = torch.randn(self.prefix_lens[b], hkv, HEAD_DIM, generator=g).to(dtype)
+            pv = torch.randn(self.prefix_lens[b], hkv, dv, generator=g).to(dtype)
             for layer_id in (0, 1):
                 self.kv.get_key_buffer(layer_id)[s[: self.prefix_lens[b]]] = pk
                 self.kv.get_value_buffer(layer_id)[s[: self.prefix_lens[b]]] = pv
@@ -79,9 +79,9 @@ class Setup:
             self.prefix_v.append(pv)
         self.out_cache_loc = torch.cat([self.slots[b][self.prefix_lens[b] :] for b in range(self.bs)])
         t = sum(self.q_lens)
-        self.q = torch.randn(t, hq * HEAD_DIM, generator=g)
-        self.k = torch.randn(t, hkv, HEAD_DIM, generator=g)
-        self.v = torch.randn(t, hkv, dv, generator=g)
+        self.q = torch.randn(t, hq * HEAD_DIM, generator=g).to(dtype)
+        self.k = torch.randn(t, hkv, HEAD_DIM, generator=g).to(dtype)
+        self.v = torch.randn(t, hkv, dv, generator=g).to(dtype)
 
     def layer(self, attn_type=AttentionType.DECODER, layer_id=1, **kw):
         return RadixAttention(
@@ -171,9 +171,9 @@ def run(backend, s, layer, fb, save_kv_cache=True, k=None, v=None):
     )
 
 
-def assert_close(out, ref):
+def assert_close(out, ref, atol=2e-5, rtol=1e-4):
     assert out.shape == ref.shape
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
 
 
 # ---------------------------------------------------------------------- EXTEND / MIXED / DECODE
@@ -216,6 +216,31 @@ def test_decode_batch_with_gqa():
     out = run(backend, s, s.layer(), s.batch(ForwardMode.DECODE))
     assert_close(out, s.reference(full_masks(s)))  # one query sees everything before it and itself
     assert torch.equal(s.kv.get_key_buffer(1)[s.out_cache_loc], s.k)
+
+
+def test_bfloat16_as_the_cpu_engine_runs_it():
+    s = Setup(prefix_lens=[6, 0, 3], q_lens=[3, 5, 2], seed=7, dtype=torch.bfloat16)
+    backend = TorchCPUAttnBackend(s.runner)
+    out = run(backend, s, s.layer(), s.batch(ForwardMode.EXTEND))
+    assert out.dtype == torch.bfloat16
+    assert_close(out, s.reference(causal_masks(s)), atol=2e-2, rtol=2e-2)  # bf16 output rounding
+    assert torch.equal(s.kv.get_key_buffer(1)[s.out_cache_loc], s.k)
+
+
+def test_plan_is_rebuilt_when_metadata_init_was_skipped_or_the_batch_changed():
+    s = Setup(prefix_lens=[3, 4], q_lens=[2, 2], seed=8)
+    backend = TorchCPUAttnBackend(s.runner)
+    layer = s.layer()
+    fb = s.batch(ForwardMode.EXTEND)
+    assert_close(backend.forward(s.q, s.k, s.v, layer, fb), s.reference(causal_masks(s)))  # no init call
+    # the same batch object, now a verify batch over the same slots: the old plan must not be reused
+    t = Setup(prefix_lens=[3, 4], q_lens=[2, 2], seed=8)
+    fb.forward_mode = ForwardMode.TARGET_VERIFY
+    fb.seq_lens = torch.tensor(t.prefix_lens)
+    fb.spec_info = verify_input(2, None)
+    assert_close(backend.forward(t.q, t.k, t.v, layer, fb), t.reference(causal_masks(t)))
+    fb.spec_info = verify_input(2, flatten_full_layout(full_masks(t)))
+    assert_close(backend.forward(t.q, t.k, t.v, layer, fb), t.reference(full_masks(t)))
 
 
 def test_save_kv_cache_false_and_readback():

@@ -101,7 +101,7 @@ class _Plan:
     ``kv_max``; its queries as ``[q_b new tokens, padding]`` in a row of ``q_max``.
     """
 
-    forward_batch: ForwardBatch
+    key: tuple  # the batch fields it was built from (compared by identity)
     mode: ForwardMode
     bs: int
     q_lens: list[int]
@@ -257,7 +257,7 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
             tree_mask = self._full_layout_mask(tree_flat, prefix_lens, q_lens[0], kv_max, dev)
 
         return _Plan(
-            forward_batch=fb,
+            key=_plan_key(fb),
             mode=mode,
             bs=bs,
             q_lens=q_lens,
@@ -305,8 +305,9 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
 
     def _plan_for(self, forward_batch: ForwardBatch) -> _Plan:
         plan = self._plan
-        if plan is None or plan.forward_batch is not forward_batch or plan.mode != forward_batch.forward_mode:
-            # a caller that skipped init_forward_metadata for this batch
+        key = _plan_key(forward_batch)
+        if plan is None or len(plan.key) != len(key) or any(a is not b for a, b in zip(plan.key, key)):
+            # a caller that skipped init_forward_metadata for this batch, or changed its fields
             self.init_forward_metadata(forward_batch)
             plan = self._plan
         return plan
@@ -411,6 +412,14 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
         out = out.transpose(1, 2).reshape(bs * qm, hq * dv)
         o.copy_(out[plan.q_dst])
         return o
+
+
+def _plan_key(fb: ForwardBatch) -> tuple:
+    spec = fb.spec_info
+    return (
+        fb, fb.forward_mode, fb.seq_lens, fb.req_pool_indices, fb.extend_prefix_lens, fb.extend_prefix_lens_cpu,
+        fb.extend_seq_lens, fb.extend_seq_lens_cpu, spec, getattr(spec, "custom_mask", None),
+    )  # fmt: skip
 
 
 def _capped_attention(q, k, v, mask, scale, cap):
