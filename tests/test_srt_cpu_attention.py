@@ -379,6 +379,13 @@ def test_refusals_name_the_feature_and_leave_the_pool_unchanged():
         backend.forward(s.q[:3], s.k[:3], s.v[:3], s.layer(), fb)
     with pytest.raises(ValueError, match="k/v have 3/3 tokens"):
         backend.forward(s.q, s.k[:3], s.v[:3], s.layer(), fb)
+    short = s.batch(ForwardMode.EXTEND)
+    short.out_cache_loc = short.out_cache_loc[:3]
+    backend.init_forward_metadata(short)
+    with pytest.raises(ValueError, match="out_cache_loc must hold 4 slots, got 3"):
+        backend.forward(s.q, s.k, s.v, s.layer(), short)
+    with pytest.raises(ValueError, match="out_cache_loc must hold 4 slots, got 3"):
+        backend.forward(s.q, None, None, s.layer(), short, save_kv_cache=False)
     assert not s.kv.get_key_buffer(1)[s.out_cache_loc].any()
     bad = s.batch(ForwardMode.EXTEND)
     bad.extend_prefix_lens_cpu = [2, 2]

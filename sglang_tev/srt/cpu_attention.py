@@ -359,9 +359,20 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
                 f"TorchCPUAttnBackend: q has {q3.shape[0]} tokens, the {plan.mode.name} batch has {plan.num_tokens} "
                 f"(lengths {plan.q_lens})"
             )
+        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        if k_buf.dim() != 3:
+            raise NotImplementedError(
+                f"TorchCPUAttnBackend: KV buffers must be [slots, heads, dim], got shape {tuple(k_buf.shape)}"
+            )
         if (k is None) != (v is None):
             raise ValueError("TorchCPUAttnBackend: k and v must both be given or both be None")
         loc = fb.out_cache_loc
+        if (k is None or save_kv_cache) and (loc is None or loc.shape[0] != plan.num_tokens):
+            raise ValueError(
+                f"TorchCPUAttnBackend: out_cache_loc must hold {plan.num_tokens} slots, "
+                f"got {None if loc is None else loc.shape[0]}"
+            )
         if k is not None:
             k3, v3 = k.reshape(-1, hkv, dqk), v.reshape(-1, hkv, dv)
             if k3.shape[0] != plan.num_tokens or v3.shape[0] != plan.num_tokens:
@@ -369,18 +380,7 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
                     f"TorchCPUAttnBackend: k/v have {k3.shape[0]}/{v3.shape[0]} tokens, q has {plan.num_tokens}"
                 )
             if save_kv_cache:
-                if loc is None or loc.shape[0] != plan.num_tokens:
-                    raise ValueError(
-                        f"TorchCPUAttnBackend: out_cache_loc must hold {plan.num_tokens} slots, "
-                        f"got {None if loc is None else loc.shape[0]}"
-                    )
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_layer(fb, layer), k3, v3)
-        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        if k_buf.dim() != 3:
-            raise NotImplementedError(
-                f"TorchCPUAttnBackend: KV buffers must be [slots, heads, dim], got shape {tuple(k_buf.shape)}"
-            )
         if k is None:  # the caller wrote them already: read them back
             k3, v3 = k_buf[loc], v_buf[loc]
 
