@@ -391,12 +391,12 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
             return o
         keys = q3.new_zeros((bs * km, hkv, dqk))
         vals = q3.new_zeros((bs * km, hkv, dv))
-        keys[plan.kv_prefix_dst] = k_buf[plan.kv_prefix_src].to(dtype)
-        vals[plan.kv_prefix_dst] = v_buf[plan.kv_prefix_src].to(dtype)
-        keys[plan.kv_new_dst] = k3.to(dtype)
-        vals[plan.kv_new_dst] = v3.to(dtype)
+        keys.index_copy_(0, plan.kv_prefix_dst, k_buf.index_select(0, plan.kv_prefix_src).to(dtype))
+        vals.index_copy_(0, plan.kv_prefix_dst, v_buf.index_select(0, plan.kv_prefix_src).to(dtype))
+        keys.index_copy_(0, plan.kv_new_dst, k3.to(dtype))
+        vals.index_copy_(0, plan.kv_new_dst, v3.to(dtype))
         queries = q3.new_zeros((bs * qm, hq, dqk))
-        queries[plan.q_dst] = q3
+        queries.index_copy_(0, plan.q_dst, q3)
         queries = queries.view(bs, qm, hq, dqk).transpose(1, 2)
         keys = keys.view(bs, km, hkv, dqk).transpose(1, 2)
         vals = vals.view(bs, km, hkv, dv).transpose(1, 2)
@@ -410,7 +410,7 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
                 queries, keys, vals, attn_mask=mask, scale=layer.scaling, enable_gqa=hq != hkv
             )
         out = out.transpose(1, 2).reshape(bs * qm, hq * dv)
-        o.copy_(out[plan.q_dst])
+        torch.index_select(out, 0, plan.q_dst, out=o)
         return o
 
 
