@@ -66,7 +66,10 @@ def test_env_settings():
         (dict(speculative_num_draft_tokens=3.5), {}, "must be an integer"),
         (dict(speculative_dflash_block_size=40, speculative_num_draft_tokens=9), {}, "exceeds 2 x the tree size"),
         (dict(_raw_input={"attention_backend": "fa3"}), {}, "--attention-backend 'fa3'"),
-        (dict(device="cpu"), {}, "--device must be cuda"),
+        (dict(device="npu"), {}, r"--device 'npu' is not supported; accepted: --device cuda with --attention-backend flashinfer or triton; --device cpu with --attention-backend tev_cpu"),
+        (dict(device="cpu", _raw_input={"attention_backend": "flashinfer"}), {}, "'flashinfer' on --device cpu"),
+        (dict(_raw_input={"attention_backend": "tev_cpu"}), {}, "'tev_cpu' on --device cuda"),
+        (dict(_raw_input={"speculative_draft_attention_backend": "fa3"}), {}, "--speculative-draft-attention-backend 'fa3'"),
         (dict(pp_size=2), {}, "--pp-size"),
         (dict(attn_dp_size=2), {}, "data parallelism"),
         (dict(speculative_draft_model_path=None), {}, "draft-model-path is required"),
@@ -85,6 +88,12 @@ def test_bad_settings_raise_one_clear_error(kw, env, match):
         resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env)
     if "speculative_num_steps" not in kw and "speculative_dflash_block_size" not in kw:
         assert vars(sa) == before  # refused before any write
+
+
+def test_cpu_device_takes_the_torch_reference_backend():
+    sa = args(device="cpu", attention_backend=None, _raw_input={"attention_backend": None})
+    resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={})
+    assert sa.attention_backend == "tev_cpu" and sa.speculative_draft_attention_backend == "tev_cpu"
 
 
 def test_unknown_block_size_asks_for_the_flag():

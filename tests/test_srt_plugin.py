@@ -108,7 +108,11 @@ def test_register_is_idempotent_and_from_string_returns_tev():
     register()
     assert SpeculativeAlgorithm.from_string("tev") is first
     assert isinstance(first, TevAlgo)
-    assert first.supports_overlap is False
+    # V2 schema: no deprecated-V1 warning at worker creation; overlap itself is turned off by TEV
+    assert first.supports_overlap is True
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, DRAFT_ATTENTION_BACKEND_CHOICES
+
+    assert "tev_cpu" in ATTENTION_BACKEND_CHOICES and "tev_cpu" in DRAFT_ATTENTION_BACKEND_CHOICES
 
 
 def test_tev_algo_passes_sglang_conformance_and_predicates():
@@ -209,7 +213,7 @@ BAD = [
     (["--speculative-num-draft-tokens", "1"], r"must be in \[2, 1024\]"),
     (["--speculative-num-draft-tokens", "9", "--speculative-dflash-block-size", "40"], "exceeds 2 x the tree size"),
     (["--speculative-dflash-block-size", "1"], "block-size must be >= 2"),
-    (["--attention-backend", "fa3"], "--attention-backend 'fa3' does not apply the tree mask"),
+    (["--attention-backend", "fa3"], "--attention-backend 'fa3' on --device cuda: TEV needs a backend that applies the tree mask"),
     (["--decode-attention-backend", "fa3", "--attention-backend", "triton"], "--decode-attention-backend 'fa3'"),
     (["--prefill-attention-backend", "fa3", "--attention-backend", "triton"], "--prefill-attention-backend 'fa3'"),
     (["--cuda-graph-backend-decode", "full"], "decode CUDA graphs do not carry the tree mask"),
@@ -218,7 +222,7 @@ BAD = [
     (["--speculative-draft-window-size", "64"], "draft-window-size"),
     (["--speculative-use-rejection-sampling"], "rejection-sampling does not apply"),
     (["--speculative-accept-threshold-acc", "0.5"], "threshold-acc must be 1.0"),
-    (["--device", "cpu"], "--device must be cuda"),
+    (["--device", "cpu", "--attention-backend", "torch_native"], "'torch_native' on --device cpu.*accepted: .*--device cpu with --attention-backend tev_cpu"),
     (["--disaggregation-mode", "decode"], "disaggregation"),
 ]
 

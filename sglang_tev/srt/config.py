@@ -27,6 +27,8 @@ __all__ = [
     "TevSettings",
     "VERIFIERS",
     "SUPPORTED_ATTENTION_BACKENDS",
+    "CPU_ATTENTION_BACKEND",
+    "SUPPORTED_DEVICE_BACKENDS",
     "MAX_TREE_SIZE",
     "DEFAULT_TREE_SIZE",
     "read_env",
@@ -41,9 +43,20 @@ VERIFIERS = ("tev", "predraw", "sequential")
 """Exact verifiers selectable with ``SGLANG_TEV_VERIFIER`` (``greedy`` is implied at T = 0)."""
 
 SUPPORTED_ATTENTION_BACKENDS = ("flashinfer", "triton")
-"""Backends that apply ``spec_info.custom_mask`` on TARGET_VERIFY in eager mode (notes §3.3).
+"""CUDA backends that apply ``spec_info.custom_mask`` on TARGET_VERIFY in eager mode (notes §3.3).
 FA3 ignores the mask unless ``speculative_eagle_topk > 1`` and then reads it in its own cascade
 layout; it is refused rather than silently verifying a tree with a causal mask."""
+
+CPU_ATTENTION_BACKEND = "tev_cpu"
+"""The one backend TEV accepts with ``--device cpu``: this project's pure-torch reference backend
+(``sglang_tev.srt.cpu_attention``, registered by the plugin), which applies the tree mask."""
+
+SUPPORTED_DEVICE_BACKENDS = {"cuda": SUPPORTED_ATTENTION_BACKENDS, "cpu": (CPU_ATTENTION_BACKEND,)}
+"""``--device`` -> attention backends TEV accepts there (the first is chosen when none is given)."""
+
+
+def _combinations() -> str:
+    return "; ".join(f"--device {d} with --attention-backend {' or '.join(b)}" for d, b in SUPPORTED_DEVICE_BACKENDS.items())
 
 MAX_TREE_SIZE = 1024
 """N <= 1024: one CUDA block per request in SGLang's tree kernels and this project's budget cap."""
@@ -130,6 +143,19 @@ def _raw(sa, name: str):
     return raw.get(name) if isinstance(raw, dict) else getattr(sa, name, None)
 
 
+def _device_kind(sa) -> str:
+    """``cuda`` or ``cpu`` from ``--device`` (unset = cuda, SGLang's default on a GPU machine).
+
+    Raises:
+        ValueError naming ``--device`` and the accepted device/backend combinations otherwise.
+    """
+    device = getattr(sa, "device", None)
+    kind = "cuda" if device is None else str(device).split(":")[0]
+    if kind not in SUPPORTED_DEVICE_BACKENDS:
+        raise ValueError(f"TEV: --device {device!r} is not supported; accepted: {_combinations()}")
+    return kind
+
+
 def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> None:
     """Refuse combinations TEV does not support, one clear ValueError each.
 
@@ -138,17 +164,16 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
 
     Raises:
         ValueError naming the flag or variable: a bad ``SGLANG_TEV_*`` value; a device other than
-        CUDA; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
-        a tree size N outside [2, 1024]; an explicitly chosen attention backend outside
-        :data:`SUPPORTED_ATTENTION_BACKENDS`; explicit decode CUDA graphs
+        ``cuda`` / ``cpu``; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
+        a tree size N outside [2, 1024]; an explicitly chosen attention backend (target prefill /
+        decode or draft) that the device does not pair with in :data:`SUPPORTED_DEVICE_BACKENDS`
+        (the message lists the accepted combinations); explicit decode CUDA graphs
         (``--cuda-graph-backend-decode`` other than disabled); ``--speculative-eagle-topk`` other than 1;
         ``--speculative-draft-window-size`` (compact draft cache); rejection sampling or block
         verification (TEV is its own exact verifier); accept thresholds other than 1.
     """
     read_env(environ)
-    device = getattr(sa, "device", None)
-    if device is not None and not str(device).startswith("cuda"):
-        raise ValueError(f"TEV: --device must be cuda (the TEV worker runs on CUDA GPUs only), got {device!r}")
+    device_kind = _device_kind(sa)
     if int(getattr(sa, "pp_size", 1) or 1) != 1:
         raise ValueError(f"TEV: --pp-size must be 1, got {sa.pp_size}")
     if int(getattr(sa, "attn_dp_size", 1) or 1) > 1 or bool(getattr(sa, "enable_dp_attention", False)):
@@ -165,15 +190,18 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
             raise ValueError(
                 f"TEV: --speculative-num-draft-tokens is the tree size N = B + 1 and must be in [2, {MAX_TREE_SIZE}], got {n}"
             )
+    accepted = SUPPORTED_DEVICE_BACKENDS[device_kind]
     for flag, name in (
         ("--attention-backend", "attention_backend"),
         ("--prefill-attention-backend", "prefill_attention_backend"),
         ("--decode-attention-backend", "decode_attention_backend"),
+        ("--speculative-draft-attention-backend", "speculative_draft_attention_backend"),
     ):
         explicit = _raw(sa, name)
-        if explicit is not None and explicit not in SUPPORTED_ATTENTION_BACKENDS:
+        if explicit is not None and explicit not in accepted:
             raise ValueError(
-                f"TEV: {flag} {explicit!r} does not apply the tree mask on target verify; use one of {SUPPORTED_ATTENTION_BACKENDS}"
+                f"TEV: {flag} {explicit!r} on --device {device_kind}: TEV needs a backend that applies the tree mask "
+                f"on target verify; accepted: {_combinations()}"
             )
     graph = _raw(sa, "cuda_graph_backend_decode")
     if graph is not None and str(graph) != "disabled":
@@ -207,8 +235,8 @@ def resolve_server_args(
 
     Writes (each only where needed): ``speculative_num_draft_tokens`` (default 65),
     ``speculative_dflash_block_size`` (the drafter's), ``speculative_num_steps`` (K - 1),
-    ``speculative_eagle_topk`` = 1, ``attention_backend`` = flashinfer when the automatic choice
-    does not apply tree masks, ``speculative_draft_attention_backend``,
+    ``speculative_eagle_topk`` = 1, ``attention_backend`` = flashinfer (``tev_cpu`` on
+    ``--device cpu``) when the automatic choice does not apply tree masks, ``speculative_draft_attention_backend``,
     ``disable_overlap_schedule`` = True and the decode phase of ``cuda_graph_config`` =
     disabled (neither is supported yet), ``max_running_requests`` = 48 when unset (as DFLASH).
 
@@ -265,15 +293,17 @@ def resolve_server_args(
     if sa.speculative_eagle_topk is None:
         sa.speculative_eagle_topk = 1
 
+    accepted = SUPPORTED_DEVICE_BACKENDS[_device_kind(sa)]
     prefill, decode = _backends(sa)
-    if decode not in SUPPORTED_ATTENTION_BACKENDS or prefill not in SUPPORTED_ATTENTION_BACKENDS:
+    if decode not in accepted or prefill not in accepted:
         # only automatic choices reach here (explicit ones were refused above)
-        logger.warning("TEV: attention backend %s/%s does not apply tree masks; using flashinfer", prefill, decode)
-        sa.attention_backend = "flashinfer"
-        if sa.prefill_attention_backend not in (None, *SUPPORTED_ATTENTION_BACKENDS):
-            sa.prefill_attention_backend = "flashinfer"
-        if sa.decode_attention_backend not in (None, *SUPPORTED_ATTENTION_BACKENDS):
-            sa.decode_attention_backend = "flashinfer"
+        if prefill is not None or decode is not None:
+            logger.warning("TEV: attention backend %s/%s does not apply tree masks; using %s", prefill, decode, accepted[0])
+        sa.attention_backend = accepted[0]
+        if sa.prefill_attention_backend not in (None, *accepted):
+            sa.prefill_attention_backend = accepted[0]
+        if sa.decode_attention_backend not in (None, *accepted):
+            sa.decode_attention_backend = accepted[0]
     if sa.speculative_draft_attention_backend is None:
         # the drafter runs TARGET_VERIFY on its own runner; use the target's prefill backend
         sa.speculative_draft_attention_backend = _backends(sa)[0]

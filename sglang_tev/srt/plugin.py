@@ -1,7 +1,8 @@
 """SGLang plugin entry point: ``sglang.srt.plugins`` → ``tev = "sglang_tev.srt.plugin:register"``.
 
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts (launcher,
-scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV``; the worker
+scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV`` and the
+``--attention-backend tev_cpu`` choice (``cpu_attention``); the worker
 module (heavy: the DFlash V2 worker) is imported only when the scheduler asks for the worker class.
 """
 
@@ -24,11 +25,18 @@ def register() -> None:
     if get_spec(ALGORITHM_NAME) is not None:
         return
     from .algo import TevAlgo
-    from .config import validate_server_args
+    from .config import CPU_ATTENTION_BACKEND, validate_server_args
+    from .cpu_attention import register_cpu_attention
 
+    # --attention-backend tev_cpu: the pure-torch backend TEV uses with --device cpu
+    register_cpu_attention(CPU_ATTENTION_BACKEND)
+
+    # supports_overlap only gates SGLang's deprecated-V1 warning and its overlap check
+    # (spec_registry.py:137-150): the worker is on the V2 schema (a DFlashWorkerV2), and TEV's
+    # own resolution turns overlap scheduling off, which the round does not support yet
     @SpeculativeAlgorithm.register(
         ALGORITHM_NAME,
-        supports_overlap=False,
+        supports_overlap=True,
         validate_server_args=validate_server_args,
         spec_class=TevAlgo,
     )

@@ -27,6 +27,7 @@ import logging
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import (
@@ -43,7 +44,7 @@ from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjus
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from sglang.srt.speculative.spec_utils import draft_tp_context
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
 from ..verify import num_uniforms
 from .config import settings_from_server_args
@@ -61,6 +62,16 @@ __all__ = ["TEVWorker", "META_INFO_KEYS"]
 
 logger = logging.getLogger(__name__)
 
+
+class _DropBlockSizeNotice(logging.Filter):
+    """Drops DFlash's "block size mismatch" warning (``dflash_worker_v2.py:517-522``) while the
+    parent constructor runs: it sizes the block from ``speculative_num_draft_tokens``, which TEV
+    uses for the tree size N, and TEV sets the drafter's own block size right after."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("DFLASH block size mismatch")
+
+
 META_INFO_KEYS = ("tev_accept_length", "tev_exit_depth", "tev_coverage")
 """Per-round values appended to each request's ``meta_info`` (SGLang's ``customized_info``)."""
 
@@ -69,7 +80,19 @@ class TEVWorker(DFlashWorkerV2):
     """DFlash V2 worker whose decode round drafts a DDTree and verifies it with TEV."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
-        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
+        notice = _DropBlockSizeNotice()
+        dflash_logger.addFilter(notice)
+        try:
+            super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        finally:
+            dflash_logger.removeFilter(notice)
+        if torch.device(self.device).type == "cpu":
+            # the drafter's fused Triton q/k-norm + RoPE (models/dflash.py:383) has no CPU path;
+            # the flag selects the unfused torch path of the same computation
+            for module in self.draft_model.modules():
+                if hasattr(module, "use_table_qk_norm_rope"):
+                    module.use_table_qk_norm_rope = False
         self.tev = settings_from_server_args(get_spec())
         # DFlash sizes its block from speculative_num_draft_tokens, which TEV uses for N.
         self.block_size = self.tev.block_size
@@ -91,11 +114,7 @@ class TEVWorker(DFlashWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
             return super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
-        if batch.has_grammar:
-            raise RuntimeError("TEV does not support grammar-constrained decoding yet")
-        if batch.return_logprob:
-            raise RuntimeError("TEV does not return logprobs yet")
-        return self._tev_decode(batch, on_publish)
+        return self._tev_decode(batch, on_publish, grammar_barrier)
 
     # ------------------------------------------------------------------ the round
     def _draft_topk(self, batch, draft_input, seq_lens_cpu):
@@ -163,7 +182,7 @@ class TEVWorker(DFlashWorkerV2):
         logq = (vals.float() - lse.float().unsqueeze(-1)).view(bs, K - 1, -1)
         return logq, ids.view(bs, K - 1, -1).to(torch.int64)
 
-    def _tev_decode(self, batch, on_publish):
+    def _tev_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("TEV expected DFlashDraftInputV2 state on the running batch")
@@ -177,6 +196,13 @@ class TEVWorker(DFlashWorkerV2):
         logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu)
         tree = build_trees(logq, ids, self.tev.budget, draft_input.bonus_tokens.view(-1).to(torch.int64), self.tev.max_depth)
         layout = tree_verify_layout(tree, prefix, int(seq_lens_cpu.sum()))
+        # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
+        # with its grammar state and fills one vocabulary mask per node (spec_utils.traverse_tree)
+        grammar_tree = (
+            GrammarTree.from_device(layout.retrieve_next_token, layout.retrieve_next_sibling, layout.draft_token.view(bs, N))
+            if batch.has_grammar
+            else None
+        )
 
         # 2) target verify over the tree
         out_cache_loc = assign_extend_cache_locs_func(
@@ -224,7 +250,16 @@ class TEVWorker(DFlashWorkerV2):
             logits = target_lp.finish_deferred_gather(logits)
             logits_output.next_token_logits = logits
         sampling_info = batch.sampling_info
+        grammar_mask = None
+        if grammar_tree is not None:
+            grammar_mask = build_grammar_vocab_mask(
+                reqs=batch.reqs, tree=grammar_tree, sampling_info=sampling_info, device=logits.device, barrier=grammar_barrier
+            )
         apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N)
+        if grammar_mask is not None:
+            # node v's row allows what the grammar allows after the path to v: the target law the
+            # verifier sees is the constrained law plain decoding samples from
+            grammar_mask.apply(logits)
 
         # 3) exact verification on the processed target law
         sampling = sampling_params_from_info(sampling_info)
@@ -234,6 +269,14 @@ class TEVWorker(DFlashWorkerV2):
             uniforms = seeded_uniforms(seeds, prefix, num_uniforms(self.tev.verifier, N))
         out = verify_batch(tree, logits, sampling, self.tev.verifier, generator=self._tev_generator, uniforms=uniforms)
         plan = commit_outputs(tree, out, prefix)
+        if batch.return_logprob:
+            # the emitted token of path node d is out_tokens[b, d] (the next drafted token, then
+            # the bonus); its logprob is read from that node's processed verify logits
+            width = plan.accept_index.shape[1]
+            predict = torch.zeros(bs * N, dtype=torch.int64, device=dev)
+            on_path = plan.accept_index >= 0
+            predict[plan.accept_index[on_path]] = plan.out_tokens[:, :width][on_path]
+            compute_spec_logprobs(batch, logits_output, predict, accept_index=plan.accept_index)
 
         # 4) commit: accepted path to the front of each window (KV and hidden rows)
         target_ids = kv_plan.write_ids(self.model_runner.kv_index_translator)  # physical slots of the window
