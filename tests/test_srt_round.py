@@ -92,6 +92,7 @@ def test_positions_and_tokens_layout():
     for r in range(3):
         for i in range(n):
             d = len(python_ancestors(tree.parents[r].tolist(), tree.valid[r].tolist(), i)) - 1
+            d = d if bool(tree.valid[r, i]) else 0  # a padded node sits at its root's position
             assert int(lay.positions[r * n + i]) == int(seq[r]) + d
             assert int(lay.draft_token[r * n + i]) == int(tree.tokens[r, i])
     assert lay.max_tree_depth == tree.max_depth + 1
@@ -197,6 +198,33 @@ def test_build_trees_caps_depth_and_matches_builder():
         build_trees(vals, ids, 30, roots, max_depth=16)
     with pytest.raises(ValueError, match="max_depth"):
         build_trees(vals, ids, 30, roots, max_depth=0)
+
+
+def test_requests_near_the_context_limit_get_no_node_past_it():
+    """Context 32: a request whose root sits at position 31 gets a root-only tree, one at 29 a
+    tree of depth <= 2, one far from the limit the full depth; no position fed (padded nodes
+    included) reaches 32, and the capped trees are the builder's with that depth limit."""
+    from sglang_tev.srt.round import request_depth_caps
+
+    g = torch.Generator().manual_seed(5)
+    lq = torch.log_softmax(4 * torch.randn(3, 7, 40, generator=g), -1)  # peaked: deep trees
+    vals, ids = lq.topk(3, -1)
+    roots = torch.tensor([4, 5, 6])
+    seq = torch.tensor([31, 29, 3])
+    caps = request_depth_caps(seq, max_depth=6, context_len=32)
+    assert caps.tolist() == [0, 2, 6] and caps.dtype == torch.int64
+    tree = build_trees(vals, ids, 12, roots, max_depth=6, depth_cap=caps)
+    assert tree.valid[0].sum() == 1 and tree.valid[1].sum() > 2 and tree.valid[2].sum() == 13
+    deepest = torch.where(tree.valid, tree.depth, 0).amax(1).tolist()
+    assert deepest[:2] == [0, 2] and 2 < deepest[2] <= 6
+    ref = build_ddtree_topk(vals[:, :6], ids[:, :6], 12, roots, depth_limit=caps)
+    assert torch.equal(tree.parents, ref.parents) and torch.equal(tree.tokens, ref.tokens)
+    lay = tree_verify_layout(tree, seq, int(seq.sum()))
+    assert int(lay.positions.max()) == 31 and lay.positions.view(3, -1)[0].tolist() == [31] * 13
+    with pytest.raises(ValueError, match="depth_cap"):
+        build_trees(vals, ids, 12, roots, max_depth=6, depth_cap=caps.to(torch.int32))
+    with pytest.raises(ValueError, match="depth_cap"):
+        build_trees(vals, ids, 12, roots, max_depth=6, depth_cap=caps[:2])
 
 
 # ---------------------------------------------------------------------- batched verification

@@ -5,7 +5,8 @@ One round, for every active row at once (DESIGN §1, §3, §5)::
     draft         drafter(context, roots) -> per-depth draft logits [b, H, V]
     build         DDTree (or a chain, or the root alone) -> DraftTree [b, N = 1 + B], and the
                   forward's inputs: per-row tree masks (attention windows per layer type),
-                  positions past_len + depth, cache slots
+                  positions past_len + depth (never >= the model's max positions, padded
+                  nodes included), cache slots
     tree_forward  one target forward over the b x N nodes, K/V written into the static cache
     verify        generation controls at every node -> finiteness check -> verify_tree -> the
                   round's ONE host sync (paths, bonus tokens, accept lengths, coverage, bad nodes)
@@ -499,7 +500,13 @@ class _Run:
             masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
         else:
             masks = self._kept_tree_mask(tree, kv_len)  # already additive
-        positions = tree.depth + self.active[0].past_len if b == 1 else lens.view(b, 1) + tree.depth
+        depth = tree.depth
+        if n > 1 and max(r.past_len for r in self.active) >= g.max_positions - 1:
+            # a row at its last position has a root-only tree but still N - 1 padded nodes (depth 1
+            # by the DraftTree contract): they sit at the root's position instead, so no position
+            # >= the limit is fed (dynamic-NTK RoPE would rescale the whole forward)
+            depth = torch.where(tree.valid, depth, 0)
+        positions = depth + self.active[0].past_len if b == 1 else lens.view(b, 1) + depth
         return {"rows": sl, "positions": positions, "masks": masks, "slots": slots, "kv_len": kv_len}
 
     def _kept_tree_mask(self, tree: DraftTree, kv_len: int) -> torch.Tensor:
