@@ -313,7 +313,9 @@ class CommitPlan:
             (root first), -1 past it; EAGLE's ``accept_index``.
         src_rows: int64 [bs, D + 1], the row each front slot d takes its KV / hidden state from:
             ``b * N + path[b, d]`` for d <= a, else ``b * N + d`` (a no-op move).
-        dst_rows: int64 [bs, D + 1], ``b * N + d``.
+        dst_rows: int64 [bs, D + 1], ``b * N + d``. Sources can be later destinations: apply the
+            move gather-first or in this (increasing d) order, never in decreasing d
+            (:func:`commit_outputs`).
         new_seq_lens: int [bs], ``seq_lens + commit_lens``.
     """
 
@@ -329,8 +331,16 @@ def commit_outputs(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -
     """Turn verification results into SGLang's commit layout (see :class:`CommitPlan`).
 
     The accepted path's node at depth d moves to front slot d of its request's window (EAGLE's
-    ``_compact_accept_to_front`` convention); since parents precede children, ``path[d] >= d``,
-    so moving in any order never overwrites a source still to be read.
+    ``_compact_accept_to_front`` convention). Since parents precede children,
+    ``path[d] >= d``, but a source may also be the destination of a deeper slot: with path
+    ``[0, 2, 3]`` slot 1 takes slot 2 and slot 2 takes slot 3. So a move must either read every
+    source before it writes any destination (a gather then a scatter: ``x[dst] = x[src]`` in
+    torch, :func:`compact_rows`, SGLang 0.5.23's ``move_kv_cache``, whose tiled Triton kernel
+    loads all locations of a byte tile before storing them), or copy one slot at a time in
+    increasing d, the row-major order of ``src_rows`` / ``dst_rows`` (slot d's source
+    ``path[d]`` >= d is then never a slot already written). Decreasing d, or an unordered
+    in-place kernel, overwrites a source before it is read (slot 2 <- 3 first, then slot 1
+    reads slot 3's row).
     """
     b, n = tree.parents.shape
     dev = tree.device
