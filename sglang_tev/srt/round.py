@@ -335,8 +335,9 @@ def commit_outputs(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -
     ``path[d] >= d``, but a source may also be the destination of a deeper slot: with path
     ``[0, 2, 3]`` slot 1 takes slot 2 and slot 2 takes slot 3. So a move must either read every
     source before it writes any destination (a gather then a scatter: ``x[dst] = x[src]`` in
-    torch, :func:`compact_rows`, SGLang 0.5.23's ``move_kv_cache``, whose tiled Triton kernel
-    loads all locations of a byte tile before storing them), or copy one slot at a time in
+    torch, :func:`compact_rows`, SGLang 0.5.23's ``move_kv_cache`` on GPU, whose tiled Triton
+    kernel loads all locations of a byte tile before storing them; its CPU kernel, from
+    ``sgl_kernel``, was not checked here), or copy one slot at a time in
     increasing d, the row-major order of ``src_rows`` / ``dst_rows`` (slot d's source
     ``path[d]`` >= d is then never a slot already written). Decreasing d, or an unordered
     in-place kernel, overwrites a source before it is read (slot 2 <- 3 first, then slot 1
