@@ -253,3 +253,69 @@ def test_gather_nodes_equals_index_select(monkeypatch, native):
     feats = torch.randn(1, 9, 12)
     for nodes in ([0, 1, 4, 7], [0], [0, 2, 3, 5, 6, 8]):
         assert torch.equal(rt._gather_nodes(feats, nodes), feats.index_select(1, torch.tensor(nodes)))
+
+
+def dynamic_rope_qwen3(seed, max_pos):
+    """A tiny Qwen3 with dynamic-NTK RoPE: any forward that feeds a position >= max_pos rescales
+    the rotary frequencies of the WHOLE forward (transformers' ``dynamic_rope_update``)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from test_hf_runtime import randomize
+
+    cfg = Qwen3Config(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=12, max_position_embeddings=max_pos, attn_implementation="sdpa",
+                      tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    return randomize(Qwen3ForCausalLM(cfg), seed)
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "fixed"])
+def test_rows_at_the_position_limit_feed_no_position_past_it(monkeypatch, drafter):
+    """Max positions 32, a 29-token and a 5-token prompt in one batch: the long row reaches its last
+    position while the short one still drafts. No forward of the target ever gets a position >= 32
+    (padded tree nodes included), a row at its last position has a root-only tree, every valid
+    node's logits equal a plain forward's, and both rows equal plain greedy decoding."""
+    import copy
+
+    from sglang_tev.hf import runtime as rt
+
+    tgt = dynamic_rope_qwen3(3, 32)
+    plain = copy.deepcopy(tgt)  # never sees a position >= 32, so its RoPE is never rescaled
+    rounds = []
+    orig = rt._Run.tree_forward
+
+    def spy(self, tree, inputs):
+        logits, feats = orig(self, tree, inputs)
+        ctx = [self.tokens[i, : r.past_len].tolist() for i, r in enumerate(self.active)]
+        rounds.append((ctx, tree, logits.clone()))
+        return logits, feats
+
+    monkeypatch.setattr(rt._Run, "tree_forward", spy)
+    prompts = [[(7 * i + 3) % (V - 1) for i in range(29)], [3, 17, 29, 41, 5]]
+    # the oracle (its own copy: it scores continuations past the limit) accepts 2 + bonus at 28, so
+    # the long row's next root sits at 31; the fixed drafter is rarely accepted (one token a round)
+    d = OracleDrafter(copy.deepcopy(tgt), V, accuracy=0.9, block_size=3, seed=1) if drafter == "oracle" else BatchFixedDrafter(V, 8)
+    gen = SpeculativeGenerator(tgt, d)
+    fed = []  # the largest position of every target forward (prefill and tree forwards)
+    tgt.model.rotary_emb.register_forward_pre_hook(lambda _m, args: fed.append(int(args[1].max())))
+    res = gen.generate(prompts, method="tev", budget=6, max_new_tokens=20, ignore_eos=True)
+    assert fed and max(fed) <= 31, max(fed)
+    assert res[0].finish_reason == "position_limit" and len(prompts[0]) + len(res[0].token_ids) == 33
+    assert res[1].finish_reason == "length"
+    assert [r.token_ids for r in res] == [plain_greedy(plain, prompts[0], 4), plain_greedy(plain, prompts[1], 20)]
+    at_limit = 0
+    for ctx, tree, logits in rounds:
+        for i, c in enumerate(ctx):
+            if len(c) == 31:  # the root sits at position 31, the last one
+                at_limit += 1
+                assert int(tree.valid[i].sum()) == 1  # root only, as on the batch-1 path
+            for v in torch.nonzero(tree.valid[i]).flatten().tolist():
+                path, u = [], v
+                while u >= 0:
+                    path.append(int(tree.tokens[i, u]))
+                    u = int(tree.parents[i, u])
+                with torch.no_grad():
+                    want = plain(torch.tensor([c + path[::-1]])).logits[0, -1]
+                torch.testing.assert_close(logits[i, v], want, rtol=1e-4, atol=1e-4)
+    assert at_limit == 1 and len(rounds) > 3
+    if drafter == "oracle":
+        assert [x.accept_len for x in res[1].rounds].count(2) >= 4

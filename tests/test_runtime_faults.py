@@ -276,3 +276,66 @@ def test_bad_controls(target):
                       (dict(logits_processor=3), "logits_processor")]:
         with pytest.raises(ValueError, match=match):
             gen.generate([1, 2, 3], **kw)
+
+
+# ------------------------------------------------------------------ issue 19: concurrent calls
+def test_concurrent_calls_on_one_generator_are_serialised(target):
+    """Three threads share one generator (a DFlash drafter over its static context cache): each of
+    their 5 calls returns exactly what the same call returns alone, and afterwards the generator's
+    state (committed, past_len, the cache) describes its last call. A call made from inside a
+    running call (a stream callback) is refused as busy instead of deadlocking or corrupting."""
+    import threading
+
+    from test_hf_runtime import dflash_for
+
+    from sglang_tev.hf.drafters import DFlashDrafter
+
+    gen = SpeculativeGenerator(target, DFlashDrafter(dflash_for(target), target))
+    calls = [dict(prompt=PROMPTS[0], max_new_tokens=40),
+             dict(prompt=[PROMPTS[1], PROMPTS[2]], max_new_tokens=[30, 20]),  # a batch
+             dict(prompt=PROMPTS[2], max_new_tokens=35, sampling=SamplingParams(temperature=0.8), seed=3)]
+
+    def call(i):
+        res = gen.generate(**calls[i], budget=8, ignore_eos=True)
+        return [r.token_ids for r in res] if isinstance(res, list) else res.token_ids
+
+    alone = [call(i) for i in range(3)]
+    got: list[list] = [[], [], []]
+    errors = []
+    start = threading.Barrier(3)
+
+    def worker(i):
+        start.wait()
+        for _ in range(5):
+            try:
+                got[i].append(call(i))
+            except Exception as e:  # noqa: BLE001 - any failure is the defect under test
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[:3]
+    assert got == [[a] * 5 for a in alone]
+    last = gen.generate(PROMPTS[0], budget=8, max_new_tokens=40, ignore_eos=True)
+    assert last.token_ids == alone[0]
+    assert gen.committed[0].tolist() == PROMPTS[0] + last.token_ids and gen.past_len == gen.committed.shape[1] - 1
+    want = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(gen.committed[:, :-1], **cache_kwargs(target, want))
+    for (k, v), w in zip(gen.cache.row_kv(0, gen.past_len), want.layers):
+        torch.testing.assert_close(k, w.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, w.values, rtol=1e-4, atol=1e-5)
+    # re-entry from the same thread (a stream callback) is refused, and the outer call finishes intact
+    inner = []
+
+    def stream(ids):
+        if not inner:
+            with pytest.raises(RuntimeError, match="busy"):
+                gen.generate(PROMPTS[1], max_new_tokens=3)
+            inner.append(ids)
+
+    res = gen.generate(PROMPTS[0], budget=8, max_new_tokens=40, ignore_eos=True, stream=stream)
+    assert inner and res.token_ids == alone[0]

@@ -92,6 +92,7 @@ def test_positions_and_tokens_layout():
     for r in range(3):
         for i in range(n):
             d = len(python_ancestors(tree.parents[r].tolist(), tree.valid[r].tolist(), i)) - 1
+            d = d if bool(tree.valid[r, i]) else 0  # a padded node sits at its root's position
             assert int(lay.positions[r * n + i]) == int(seq[r]) + d
             assert int(lay.draft_token[r * n + i]) == int(tree.tokens[r, i])
     assert lay.max_tree_depth == tree.max_depth + 1
@@ -197,6 +198,33 @@ def test_build_trees_caps_depth_and_matches_builder():
         build_trees(vals, ids, 30, roots, max_depth=16)
     with pytest.raises(ValueError, match="max_depth"):
         build_trees(vals, ids, 30, roots, max_depth=0)
+
+
+def test_requests_near_the_context_limit_get_no_node_past_it():
+    """Context 32: a request whose root sits at position 31 gets a root-only tree, one at 29 a
+    tree of depth <= 2, one far from the limit the full depth; no position fed (padded nodes
+    included) reaches 32, and the capped trees are the builder's with that depth limit."""
+    from sglang_tev.srt.round import request_depth_caps
+
+    g = torch.Generator().manual_seed(5)
+    lq = torch.log_softmax(4 * torch.randn(3, 7, 40, generator=g), -1)  # peaked: deep trees
+    vals, ids = lq.topk(3, -1)
+    roots = torch.tensor([4, 5, 6])
+    seq = torch.tensor([31, 29, 3])
+    caps = request_depth_caps(seq, max_depth=6, context_len=32)
+    assert caps.tolist() == [0, 2, 6] and caps.dtype == torch.int64
+    tree = build_trees(vals, ids, 12, roots, max_depth=6, depth_cap=caps)
+    assert tree.valid[0].sum() == 1 and tree.valid[1].sum() > 2 and tree.valid[2].sum() == 13
+    deepest = torch.where(tree.valid, tree.depth, 0).amax(1).tolist()
+    assert deepest[:2] == [0, 2] and 2 < deepest[2] <= 6
+    ref = build_ddtree_topk(vals[:, :6], ids[:, :6], 12, roots, depth_limit=caps)
+    assert torch.equal(tree.parents, ref.parents) and torch.equal(tree.tokens, ref.tokens)
+    lay = tree_verify_layout(tree, seq, int(seq.sum()))
+    assert int(lay.positions.max()) == 31 and lay.positions.view(3, -1)[0].tolist() == [31] * 13
+    with pytest.raises(ValueError, match="depth_cap"):
+        build_trees(vals, ids, 12, roots, max_depth=6, depth_cap=caps.to(torch.int32))
+    with pytest.raises(ValueError, match="depth_cap"):
+        build_trees(vals, ids, 12, roots, max_depth=6, depth_cap=caps[:2])
 
 
 # ---------------------------------------------------------------------- batched verification
@@ -321,6 +349,71 @@ def test_compaction_matches_sglang_and_moves_kv_front():
         a = int(out.accept_len[r])
         for d in range(a + 1):
             assert torch.equal(kv1[out_cache_loc[r * n + d]], kv[out_cache_loc[r * n + int(out.path[r, d])]])
+
+
+def chain_case():
+    """One request whose accepted path [0, 2, 3] makes slot 2 both a source (of slot 1) and a
+    destination (of slot 3's row): the case where the order of an in-place move matters."""
+    parents = torch.tensor([[-1, 0, 0, 2, 0]])
+    tree = DraftTree.from_parents(parents, torch.tensor([[9, 4, 5, 6, 7]]))
+    exit_node = torch.tensor([3])
+    out = VerifyOutput(tree.path(exit_node), torch.tensor([2]), torch.tensor([8]), exit_node, torch.zeros(1))
+    return tree, out
+
+
+def in_place_move(x, dst, src):
+    """A move kernel that copies one row at a time, in place, in the order given."""
+    for d, s in zip(dst.tolist(), src.tolist()):
+        x[d] = x[s]
+    return x
+
+
+def test_commit_move_order_is_stated_and_sufficient():
+    """``commit_outputs``' plan moved in place one slot at a time in its increasing-d order equals
+    the gather-then-scatter move; the decreasing order (which the docstring used to allow: "any
+    order") overwrites slot 2 before slot 1 reads it."""
+    for tree, out in (chain_case(), ragged_case()):
+        b, n = tree.parents.shape
+        plan = commit_outputs(tree, out, torch.zeros(b, dtype=torch.int64))
+        x = torch.randn(b * n, 3)
+        want = compact_rows(x, plan)
+        src, dst = plan.src_rows.reshape(-1), plan.dst_rows.reshape(-1)
+        assert torch.equal(in_place_move(x.clone(), dst, src), want)
+    tree, out = chain_case()
+    plan = commit_outputs(tree, out, torch.zeros(1, dtype=torch.int64))
+    assert plan.src_rows.tolist() == [[0, 2, 3]] and plan.dst_rows.tolist() == [[0, 1, 2]]
+    x = torch.arange(5.0).view(5, 1)
+    bad = in_place_move(x.clone(), plan.dst_rows.reshape(-1).flip(0), plan.src_rows.reshape(-1).flip(0))
+    assert bad[:3].flatten().tolist() == [0.0, 3.0, 3.0] != compact_rows(x, plan)[:3].flatten().tolist()
+    doc = " ".join(commit_outputs.__doc__.split())
+    assert "any order" not in doc and "increasing d" in doc and "gather" in doc
+
+
+@needs_sglang
+def test_sglang_move_kernel_reads_every_source_first(tmp_path):
+    """SGLang's ``copy_all_layer_kv_cache_tiled`` (behind ``move_kv_cache`` on GPU), run by
+    Triton's interpreter on CPU, moves the chain case like a gather then a scatter."""
+    import subprocess
+    import sys
+
+    code = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from sglang.kernels.ops.kvcache.cache_move import copy_all_layer_kv_cache_tiled
+buf = torch.randn(8, 16)
+want = buf.clone()
+tgt, src = torch.tensor([0, 1, 2]), torch.tensor([0, 2, 3])
+want[tgt] = want[src]
+ptrs = torch.tensor([buf.data_ptr()], dtype=torch.uint64)
+strides = torch.tensor([buf.stride(0) * buf.element_size()], dtype=torch.int64)
+copy_all_layer_kv_cache_tiled[(1, 1)](ptrs, strides, tgt, src, 3, 4, BYTES_PER_TILE=64)
+assert torch.equal(buf, want)
+print("ok")
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------- sampling info -> law

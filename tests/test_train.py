@@ -597,3 +597,47 @@ def test_torchrun_two_gloo_ranks_match_one_process(tiny, tmp_path):
     wb = load_file(str(tiny / "ddp2" / "final" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_resume_with_another_world_size_keeps_the_global_batch(tiny, tmp_path, monkeypatch):
+    """Elastic resume: a checkpoint of 1 process x batch 4 resumes on 2 gloo ranks x batch 2 (and
+    2 x 2 on 1 x 4) with the same global batch and sample order from the next unseen sample: the
+    same anchors and, up to float summation order, the same losses and weights as the
+    uninterrupted 1-process run. A world size that would change the global batch is refused
+    naming the world sizes and the batch_size that resumes exactly; the note says what is kept."""
+    from sglang_tev.train import trainer as tr
+
+    ref = train(base_cfg(tiny, "ws_ref", max_steps=4, batch_size=4))
+    want = log_records(ref.output_dir)
+    w_ref = load_file(str(ref.final_dir / "model.safetensors"))
+
+    def same_run(out: Path):
+        got = log_records(out)
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        for ra, rb in zip(want, got):
+            assert ra["anchors"] == rb["anchors"]
+            assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        w = load_file(str(out / "final" / "model.safetensors"))
+        for k in w_ref:
+            torch.testing.assert_close(w[k], w_ref[k], rtol=1e-4, atol=1e-5)
+
+    # 1 -> 2
+    train(base_cfg(tiny, "ws12", max_steps=4, batch_size=4, stop_at_step=2))
+    with monkeypatch.context() as m:  # the check runs before the target loads: no process group needed
+        m.setattr(tr, "_init_distributed", lambda _dev: tr._Dist(0, 2, 0, False))
+        with pytest.raises(ConfigError) as e:
+            train(base_cfg(tiny, "ws12", max_steps=4, batch_size=4))
+    assert e.value.key == "batch_size"
+    assert "world size 1 x batch_size 4 = global batch 4" in str(e.value) and "world size 2" in str(e.value)
+    assert "set batch_size=2" in str(e.value)
+    proc = torchrun_two_ranks(base_cfg(tiny, "ws12", max_steps=4, batch_size=2), tmp_path)
+    assert "same global batch (4)" in proc.stderr and "from sample 8 of the stream" in proc.stderr
+    assert "same data" not in proc.stderr
+    same_run(tiny / "ws12")
+    # 2 -> 1
+    torchrun_two_ranks(base_cfg(tiny, "ws21", max_steps=4, batch_size=2, stop_at_step=2), tmp_path)
+    with pytest.raises(ConfigError, match="world size 2 x batch_size 2 = global batch 4.*set batch_size=4"):
+        train(base_cfg(tiny, "ws21", max_steps=4, batch_size=2))
+    res = train(base_cfg(tiny, "ws21", max_steps=4, batch_size=4))
+    assert res.complete and res.step == 4
+    same_run(tiny / "ws21")

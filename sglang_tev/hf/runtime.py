@@ -5,7 +5,8 @@ One round, for every active row at once (DESIGN §1, §3, §5)::
     draft         drafter(context, roots) -> per-depth draft logits [b, H, V]
     build         DDTree (or a chain, or the root alone) -> DraftTree [b, N = 1 + B], and the
                   forward's inputs: per-row tree masks (attention windows per layer type),
-                  positions past_len + depth, cache slots
+                  positions past_len + depth (never >= the model's max positions, padded
+                  nodes included), cache slots
     tree_forward  one target forward over the b x N nodes, K/V written into the static cache
     verify        generation controls at every node -> finiteness check -> verify_tree -> the
                   round's ONE host sync (paths, bonus tokens, accept lengths, coverage, bad nodes)
@@ -32,6 +33,7 @@ import ctypes
 import functools
 import inspect
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -205,6 +207,28 @@ def _quiet_cache_rename(fn):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*", category=FutureWarning)
             return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _one_call_at_a_time(fn):
+    """Serialise calls on one generator: a call holds its cache, drafter buffers and
+    ``committed`` / ``past_len`` from start to end, so other threads wait for the lock (HF
+    pipelines and async servers share one generator). A call from inside a running call on the
+    same thread (a stream callback) would wait for itself: it raises instead."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        me = threading.get_ident()
+        if self._call_owner == me:
+            raise RuntimeError("SpeculativeGenerator is busy: generate() was called from inside a running call on "
+                               "this generator (a stream callback?); call it after that one returns")
+        with self._call_lock:
+            self._call_owner = me
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self._call_owner = None
 
     return wrapper
 
@@ -499,7 +523,13 @@ class _Run:
             masks = g._mask(tree_masks(g.layout, lens, tree.depth, tree.ancestor_mask, kv_len))
         else:
             masks = self._kept_tree_mask(tree, kv_len)  # already additive
-        positions = tree.depth + self.active[0].past_len if b == 1 else lens.view(b, 1) + tree.depth
+        depth = tree.depth
+        if n > 1 and max(r.past_len for r in self.active) >= g.max_positions - 1:
+            # a row at its last position has a root-only tree but still N - 1 padded nodes (depth 1
+            # by the DraftTree contract): they sit at the root's position instead, so no position
+            # >= the limit is fed (dynamic-NTK RoPE would rescale the whole forward)
+            depth = torch.where(tree.valid, depth, 0)
+        positions = depth + self.active[0].past_len if b == 1 else lens.view(b, 1) + depth
         return {"rows": sl, "positions": positions, "masks": masks, "slots": slots, "kv_len": kv_len}
 
     def _kept_tree_mask(self, tree: DraftTree, kv_len: int) -> torch.Tensor:
@@ -717,6 +747,12 @@ class SpeculativeGenerator:
             ``graph_stats`` holds captures, capture seconds and fallbacks). Not measured here.
         committed, past_len: after a call with ONE prompt, its committed tokens (int64 [1, L]) and
             ``L - 1`` (the KV of positions [0, past_len) is in ``cache`` row 0); None after a batch.
+            With several threads they describe whichever call finished last: use the result.
+
+    Threads: one generator may be shared; its calls run one at a time (a lock: the others wait),
+    each with the output it would have alone. A call from inside a running call on the same
+    thread (a stream callback) raises ``RuntimeError`` ("busy"). For throughput, batch prompts
+    in one call instead of calling from many threads.
 
     Raises:
         ValueError: a DFlash drafter that does not fit the target (hidden size, vocabulary,
@@ -757,6 +793,8 @@ class SpeculativeGenerator:
         self.cache: StaticKVCache | None = None
         self.committed: torch.Tensor | None = None
         self.past_len: int | None = None
+        self._call_lock = threading.Lock()
+        self._call_owner: int | None = None
 
     @classmethod
     @shipped_pair_default  # target None / "tiny-code": the shipped pair; no progress bars while loading
@@ -937,6 +975,8 @@ class SpeculativeGenerator:
             controls, per-prompt lists of the wrong length, batch_size < 1.
             NonFiniteLogitsError: NaN / +inf target logits at a valid tree node (names the round,
             the prompt and the node).
+            RuntimeError ("busy"): called from inside a running call on this generator (a stream
+            callback). Calls from other threads wait for the running one instead.
 
         Exactness: every method's output has the law of plain sampling from the processed target
         law with the same controls (greedy: token-identical to plain greedy decoding), per row.
@@ -967,6 +1007,7 @@ class SpeculativeGenerator:
                                       chat_template=chat_template, stream=wrapped, batch_size=batch_size)
         return results if many else results[0]
 
+    @_one_call_at_a_time
     @_quiet_cache_rename
     @torch.inference_mode()
     def generate_batch(

@@ -33,6 +33,7 @@ __all__ = [
     "TOP_K_ALL",
     "TreeVerifyLayout",
     "build_trees",
+    "request_depth_caps",
     "tree_custom_mask",
     "tree_retrieve_arrays",
     "tree_verify_layout",
@@ -55,8 +56,10 @@ def build_trees(
     budget: int,
     root_tokens: torch.Tensor,
     max_depth: int,
+    depth_cap: Optional[torch.Tensor] = None,
 ) -> DraftTree:
-    """Batched DDTree from the drafter's per-depth top-k lists, capped at ``max_depth``.
+    """Batched DDTree from the drafter's per-depth top-k lists, capped at ``max_depth`` (and per
+    request at ``depth_cap``).
 
     Args:
         topk_logprobs: float [bs, K - 1, k], log q_d of the listed tokens normalised over the full
@@ -66,16 +69,44 @@ def build_trees(
         budget: B >= 0 drafted nodes per tree.
         root_tokens: int64 [bs], the bonus tokens of the previous round.
         max_depth: D, rows beyond it are dropped (1 <= D <= K - 1).
+        depth_cap: optional int64 [bs], the deepest node each request's tree may hold, values
+            clamped to [0, D] (0: a root-only tree, as plain decoding). A request whose root sits
+            at position ``seq_lens[b]`` must get no node past the model's last position:
+            :func:`request_depth_caps` gives that cap. None: D for every request.
     Returns:
         :class:`DraftTree` with N = B + 1 nodes (``build_ddtree_topk``; padded when fewer fit).
     Raises:
-        ValueError naming ``max_depth`` when outside [1, K - 1].
+        ValueError naming ``max_depth`` when outside [1, K - 1], ``depth_cap`` when not int64 [bs]
+        (no host sync otherwise).
     """
     if not 1 <= max_depth <= topk_logprobs.shape[1]:
         raise ValueError(f"max_depth must be in [1, {topk_logprobs.shape[1]}], got {max_depth}")
+    bs = topk_logprobs.shape[0]
+    if depth_cap is not None:
+        if not isinstance(depth_cap, torch.Tensor) or depth_cap.dtype != torch.int64 or tuple(depth_cap.shape) != (bs,):
+            raise ValueError(f"depth_cap must be an int64 tensor [{bs}], got {getattr(depth_cap, 'shape', depth_cap)!r}")
+        depth_cap = depth_cap.to(topk_logprobs.device).clamp(0, max_depth)
     return build_ddtree_topk(
-        topk_logprobs[:, :max_depth], topk_ids[:, :max_depth].to(torch.int64), budget, root_tokens, validate=False
+        topk_logprobs[:, :max_depth], topk_ids[:, :max_depth].to(torch.int64), budget, root_tokens, validate=False,
+        depth_limit=depth_cap,
     )
+
+
+def request_depth_caps(seq_lens: torch.Tensor, max_depth: int, context_len: int) -> torch.Tensor:
+    """Per-request depth cap that keeps every tree node inside the model's positions.
+
+    The root of request b sits at position ``seq_lens[b]``, a node of depth d at
+    ``seq_lens[b] + d``; positions run ``0 .. context_len - 1``. So the cap is
+    ``clamp(context_len - 1 - seq_lens[b], 0, max_depth)`` (0 at the last position: root only).
+
+    Args:
+        seq_lens: int [bs], cached tokens per request (device tensor; no host sync).
+        max_depth: D, the round's depth bound.
+        context_len: the model's positions (SGLang's ``model_config.context_len``).
+    Returns:
+        int64 [bs], for :func:`build_trees`'s ``depth_cap``.
+    """
+    return (int(context_len) - 1 - seq_lens.to(torch.int64)).clamp(0, int(max_depth))
 
 
 # ---------------------------------------------------------------------- tree -> verify input
@@ -143,7 +174,9 @@ class TreeVerifyLayout:
 
     Attributes:
         draft_token: int64 [bs * N], node tokens (root first per request; padded nodes carry 0).
-        positions: int64 [bs * N], ``seq_lens[b] + depth``.
+        positions: int64 [bs * N], ``seq_lens[b] + depth`` of valid nodes; padded nodes sit at
+            the root's position ``seq_lens[b]`` (no one attends to them), so a request whose tree
+            is capped near the context limit feeds no position past its root's.
         custom_mask: bool, FULL layout (:func:`tree_custom_mask`).
         retrieve_index, retrieve_next_token, retrieve_next_sibling: int64 [bs, N].
         max_tree_depth: D + 1 (width of accepted paths, root included).
@@ -161,7 +194,8 @@ class TreeVerifyLayout:
 def tree_verify_layout(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: int) -> TreeVerifyLayout:
     """Everything the target's TARGET_VERIFY forward needs from the trees (see the module doc)."""
     b, n = tree.parents.shape
-    positions = tree.depth + seq_lens.to(device=tree.device, dtype=torch.int64).view(b, 1)
+    depth = torch.where(tree.valid, tree.depth, 0)  # padded nodes: depth 1 in the tree, here the root's position
+    positions = depth + seq_lens.to(device=tree.device, dtype=torch.int64).view(b, 1)
     ri, nt, ns = tree_retrieve_arrays(tree)
     return TreeVerifyLayout(
         draft_token=tree.tokens.reshape(-1),
@@ -279,7 +313,9 @@ class CommitPlan:
             (root first), -1 past it; EAGLE's ``accept_index``.
         src_rows: int64 [bs, D + 1], the row each front slot d takes its KV / hidden state from:
             ``b * N + path[b, d]`` for d <= a, else ``b * N + d`` (a no-op move).
-        dst_rows: int64 [bs, D + 1], ``b * N + d``.
+        dst_rows: int64 [bs, D + 1], ``b * N + d``. Sources can be later destinations: apply the
+            move gather-first or in this (increasing d) order, never in decreasing d
+            (:func:`commit_outputs`).
         new_seq_lens: int [bs], ``seq_lens + commit_lens``.
     """
 
@@ -295,8 +331,17 @@ def commit_outputs(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -
     """Turn verification results into SGLang's commit layout (see :class:`CommitPlan`).
 
     The accepted path's node at depth d moves to front slot d of its request's window (EAGLE's
-    ``_compact_accept_to_front`` convention); since parents precede children, ``path[d] >= d``,
-    so moving in any order never overwrites a source still to be read.
+    ``_compact_accept_to_front`` convention). Since parents precede children,
+    ``path[d] >= d``, but a source may also be the destination of a deeper slot: with path
+    ``[0, 2, 3]`` slot 1 takes slot 2 and slot 2 takes slot 3. So a move must either read every
+    source before it writes any destination (a gather then a scatter: ``x[dst] = x[src]`` in
+    torch, :func:`compact_rows`, SGLang 0.5.23's ``move_kv_cache`` on GPU, whose tiled Triton
+    kernel loads all locations of a byte tile before storing them; its CPU kernel, from
+    ``sgl_kernel``, was not checked here), or copy one slot at a time in
+    increasing d, the row-major order of ``src_rows`` / ``dst_rows`` (slot d's source
+    ``path[d]`` >= d is then never a slot already written). Decreasing d, or an unordered
+    in-place kernel, overwrites a source before it is read (slot 2 <- 3 first, then slot 1
+    reads slot 3's row).
     """
     b, n = tree.parents.shape
     dev = tree.device

@@ -147,7 +147,8 @@ class TrainConfig:
     exactly one of ``data`` / ``rollout``.
 
     Units: steps are optimizer updates; ``seq_len``/``block_size`` are tokens; ``batch_size`` is
-    sequences per rank per step; ``num_anchors`` is blocks per sequence (upper bound);
+    sequences per rank per step (the global batch, batch_size x world size, is what a resume on
+    another world size must keep); ``num_anchors`` is blocks per sequence (upper bound);
     ``lr`` is the peak learning rate.
     """
 

@@ -512,6 +512,8 @@ class Trainer:
         if cfg.eval_data is not None:
             self.eval_data = load_dataset(cfg.eval_data, cfg.seq_len, self.tokenizer, key="eval_data")
         self.resume_from = self._find_resume()
+        if self.resume_from is not None:
+            self._check_world_size(self.resume_from)
 
         self.target, _ = load_target(cfg.target, self.device, target_dtype, tokenizer=False)
         if cfg.loss.exit.mode != "none":
@@ -603,6 +605,29 @@ class Trainer:
                                         "and draft/)")
         return p
 
+    def _check_world_size(self, path: Path) -> None:
+        """Elastic resume: step s reads positions s*G .. (s+1)*G - 1 of the sample stream and
+        anchors drawn per global row, G = batch_size x world size, so another world size resumes
+        exactly (same global batch, same sample order from the next unseen sample) when G is
+        kept. Otherwise ConfigError naming ``batch_size``, the world sizes and the way to go on.
+        Checked before the target loads (the state is memory-mapped: only small fields are read)."""
+        st = torch.load(path / STATE_NAME, map_location="cpu", weights_only=False, mmap=True)
+        if st.get("version") != STATE_VERSION:
+            return  # _load_state names the version
+        world0, world = int(st["world_size"]), self.dist.world_size
+        batch0 = int(_flatten(st["fingerprint"]).get("batch_size", self.cfg.batch_size))
+        global0, global_ = batch0 * world0, self.cfg.batch_size * world
+        if world0 == world or global_ == global0:
+            return
+        how = (f"set batch_size={global0 // world} ({world} x {global0 // world} = global batch {global0})"
+               if global0 % world == 0 else f"use a world size that divides the global batch {global0}")
+        raise ConfigError("batch_size", (
+            f"checkpoint {path} was written with world size {world0} x batch_size {batch0} = global batch "
+            f"{global0}; this run has world size {world} x batch_size {self.cfg.batch_size} = {global_}, which "
+            f"would skip or repeat samples (step s reads samples s*G .. (s+1)*G - 1 of the stream). To resume "
+            f"exactly, {how}, or resume with world size {world0}; to train on with another global batch, "
+            f"start a new output_dir with draft_init={path / 'draft'}"))
+
     def _load_state(self, path: Path) -> None:
         st = torch.load(path / STATE_NAME, map_location="cpu", weights_only=False)
         if st.get("version") != STATE_VERSION:
@@ -610,6 +635,10 @@ class Trainer:
                              f"expected {STATE_VERSION}")
         mine, theirs = _fingerprint(self.cfg), _flatten(st["fingerprint"])
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        world0, world = int(st["world_size"]), self.dist.world_size
+        batch0, global_ = int(theirs["batch_size"]), self.cfg.batch_size * world
+        if world0 != world:  # the per-rank batch follows the world size; the global one is checked
+            diff = [k for k in diff if k != "batch_size"]
         extend = diff == ["max_steps"] and mine["max_steps"] > int(st["step"])
         if diff and not extend:
             changes = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in diff)
@@ -626,9 +655,13 @@ class Trainer:
                                          f"threads, this run uses {self.threads}: CPU float results "
                                          "depend on it; set threads to match or "
                                          "allow_thread_change=true")
-        if st["world_size"] != self.dist.world_size and self.is_main:
-            print(f"[sglang_tev.train] note: checkpoint world size {st['world_size']} != "
-                  f"{self.dist.world_size}: same data, last bits may differ", file=sys.stderr)
+        if world0 != world:  # same global batch (checked in _check_world_size)
+            if self.is_main:
+                print(f"[sglang_tev.train] note: checkpoint world size {world0} x batch_size {batch0} -> world "
+                      f"size {world} x batch_size {self.cfg.batch_size}: the same global batch ({global_}) and "
+                      f"sample order continue from sample {int(st['step']) * global_} of the stream; sums over "
+                      f"ranks change order, so the weights match a run at one world size only to float "
+                      f"rounding", file=sys.stderr)
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         _set_rng_state(st["rng"])

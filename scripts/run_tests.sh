@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install sglang-tev with everything its tests use, then run the test suite (CPU only, no network
+# at test time). What .ci/run runs on a clean checkout.
+#
+#   scripts/run_tests.sh                       install, then the whole suite
+#   scripts/run_tests.sh tests/test_tree.py    install, then pytest on those arguments
+#   scripts/run_tests.sh --no-install [ARGS]   skip the install (already done), run pytest
+#
+# Installs: the package in editable mode with the `test` and `sglang` extras (sglang 0.5.23 for
+# the plugin tests; it pins torch 2.14.1 and transformers 5.19), and z-lab's reference drafter
+# `dflash==0.1.0` (the CPU oracle of tests/test_dflash.py) with --no-deps, because it pins exact
+# old versions of tqdm, datasets and requests; its own imports are ours.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [[ "${1:-}" == "--no-install" ]]; then
+    shift
+else
+    python -m pip install -q -e ".[test,sglang]"
+    python -m pip install -q --no-deps "dflash==0.1.0"
+fi
+# sglang was installed above: its tests must run, not skip
+export SGLANG_TEV_REQUIRE_SGLANG=1
+python -m pytest -q "$@"
