@@ -1,6 +1,7 @@
 """Cost of one decoding round on a GPU, Qwen3-4B-shaped random weights (issue 10's GPU goals).
 
-NOT MEASURED YET: the development machine has no GPU. Run this on one (an H200 for the anchors in
+NOT MEASURED YET: the development machine has no GPU. ``scripts/gpu_check.py`` runs these
+functions (and the correctness checks first) in one command; or run this on one (an H200 for the anchors in
 ``../shared/notes/anchors-h200.md``: DDTree reference 3.3-4.0 ms non-forward overhead per round at
 B = 64; HF eager 32.5 ms tree forward, 30.2 ms autoregressive step; StaticCache + compile 10.3 /
 6.9 ms).
