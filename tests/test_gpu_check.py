@@ -182,3 +182,40 @@ def test_a_step_that_dies_blames_its_running_check(tmp_path):
     assert "exit status -11" in by[planned["triton"][1].name]["error"]
     assert {by[c.name]["status"] for c in planned["timing"]} == {"skipped"}
     assert len(records(tmp_path)) == sum(len(cs) for cs in planned.values())
+
+
+@pytest.mark.parametrize("wrong", ["kernel", "float32 reference"])
+def test_triton_equal_fails_a_wrong_kernel_and_forgives_a_rounding_tie(monkeypatch, wrong):
+    """The comparison itself can fail: a kernel whose bonus is off in one row fails the check;
+    where the float32 reference is the one off (what rounding at an inverse-CDF boundary does)
+    and the float64 law agrees with the kernel, the check passes and counts the row."""
+    import numpy as np
+    import torch
+    from exact_law import random_tree, stack_trees
+
+    import sglang_tev
+    from sglang_tev import VerifyOutput
+
+    V, B, T = 48, 6, 0.6
+    rng = np.random.default_rng(0)
+    tree = stack_trees([random_tree(rng, n, V) for n in gpu_check.ragged_sizes(B)], 1 + B)
+    logits = torch.randn(4, 1 + B, V, generator=torch.Generator().manual_seed(1)) * 2
+    real = sglang_tev.verify_tree
+    off = "triton" if wrong == "kernel" else "torch"
+
+    def verify_tree(tree, logits, method, backend=None, **kw):
+        path, acc, bonus, ex, cov = real(tree, logits, method, backend="torch", **kw)
+        if backend == off and logits.dtype != torch.float64:
+            bonus = bonus.clone()
+            bonus[0] = (bonus[0] + 1) % V
+        return VerifyOutput(path, acc, bonus, ex, cov)
+
+    monkeypatch.setattr(sglang_tev, "verify_tree", verify_tree)
+    monkeypatch.setattr(gpu_check, "need_triton", lambda cfg: None)
+    cfg = dict(gpu_check.DRY, draws=3)
+    got = gpu_check._triton_equal({("triton-case", B, T): (tree, logits)}, None, cfg, B, "float32", T, "plain")
+    assert got["rows_differing"] == dict(exit_node=0, bonus=3, path=0, accept_len=0)
+    if wrong == "kernel":
+        assert got["ok"] is False and "3 rows where the kernel differs" in got["why"]
+    else:
+        assert got["ok"] is True and got["rows_float64_agrees_with_kernel"] == 3
