@@ -104,6 +104,33 @@ def time_cuda_graph(fn, repeats: int, replays: int) -> tuple[float, bool]:
     return statistics.median(per_call), captured
 
 
+def decision_case(vocab: int, budget: int, batch: int, device, dtype, g: torch.Generator):
+    """The timed inputs: a DDTree of ``budget`` nodes built from random draft logits
+    (float32 [batch, 15, vocab] x 4) and random target logits ``dtype`` [batch, 1 + budget, vocab] x 4
+    on ``device``, drawn from the CPU generator ``g``."""
+    draft = torch.randn(batch, 15, vocab, generator=g) * 4
+    tree = build_ddtree(draft.to(device), budget, torch.zeros(batch, dtype=torch.int64, device=device))
+    logits = (torch.randn(batch, 1 + budget, vocab, generator=g) * 4).to(device=device, dtype=dtype)
+    return tree, logits
+
+
+def time_decisions(tree, logits, methods, temperature: float, g: torch.Generator, repeats: int,
+                   replays: int, warmup: int = 3) -> dict:
+    """Median microseconds of one decision per method label (see the module docstring) on
+    (tree, logits) at ``temperature`` (greedy at T = 0): on CUDA each call captured in a CUDA graph
+    and timed over ``replays`` replays (:func:`time_cuda_graph`), on CPU wall clock with the
+    methods called round-robin (:func:`time_interleaved`, ``warmup`` rounds first).
+
+    Returns:
+        {method: (median_us, captured_in_a_cuda_graph)}.
+    """
+    calls = {m: _make_call(tree, logits, m, temperature, g) for m in methods}
+    if logits.is_cuda:
+        return {m: time_cuda_graph(c, repeats, replays) for m, c in calls.items()}
+    # round-robin over the methods, so load bursts on a shared machine hit all alike
+    return {m: (us, False) for m, us in time_interleaved(calls, repeats, warmup=warmup).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budgets", default="32,64,128")
@@ -154,20 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         for V in vocabs:
             for B in budgets:
                 for nb in batches:
-                    draft = torch.randn(nb, 15, V, generator=g) * 4
-                    tree = build_ddtree(draft.to(device), B, torch.zeros(nb, dtype=torch.int64, device=device))
-                    logits = (torch.randn(nb, 1 + B, V, generator=g) * 4).to(device=device, dtype=dtype)
+                    tree, logits = decision_case(V, B, nb, device, dtype, g)
                     for T in temps:
-                        calls = {}
-                        for m in methods:
-                            if m == "greedy" and T != temps[0]:
-                                continue  # greedy ignores T: time it once
-                            calls[m] = _make_call(tree, logits, m, T, g)
-                        if cuda:
-                            timed = {m: time_cuda_graph(c, repeats, args.replays) for m, c in calls.items()}
-                        else:
-                            # round-robin over the methods, so load bursts on a shared machine hit all alike
-                            timed = {m: (us, False) for m, us in time_interleaved(calls, repeats, warmup=3).items()}
+                        # greedy ignores T: time it once
+                        ms = [m for m in methods if not (m == "greedy" and T != temps[0])]
+                        timed = time_decisions(tree, logits, ms, T, g, repeats, args.replays)
                         for m, (us, captured) in timed.items():
                             t_eff = 0.0 if m == "greedy" else T
                             rows.append(

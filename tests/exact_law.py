@@ -10,7 +10,10 @@ from sglang_tev import DraftTree
 
 
 def random_tree(rng: np.random.Generator, n_nodes: int, vocab: int, width: int | None = None, max_children: int | None = None):
-    """A random prefix-closed tree as (parents list, tokens list); siblings carry distinct tokens."""
+    """A random prefix-closed tree as (parents list, tokens list); siblings carry distinct tokens.
+
+    Each node's parent is uniform over the earlier nodes with fewer than ``max_children`` children;
+    its token is uniform over the tokens its parent's other children do not carry."""
     max_children = vocab if max_children is None else max_children
     parents, tokens = [-1], [int(rng.integers(vocab))]
     used: dict[int, set] = {0: set()}
@@ -19,8 +22,13 @@ def random_tree(rng: np.random.Generator, n_nodes: int, vocab: int, width: int |
             p = int(rng.integers(i))
             if len(used[p]) < max_children:
                 break
-        free = [a for a in range(vocab) if a not in used[p]]
-        a = int(rng.choice(free))
+        # the k-th free token of p, k uniform (the draw rng.choice(free list) makes), in
+        # O(children) rather than O(vocab): usable at V = 151936 (scripts/gpu_check.py)
+        a = int(rng.integers(vocab - len(used[p])))
+        for x in sorted(used[p]):
+            if x > a:
+                break
+            a += 1
         used[p].add(a)
         used[i] = set()
         parents.append(p)

@@ -46,9 +46,11 @@ def make_case(seed: int, vocab: int, sizes: list[int], width: int | None = None,
         for node in range(len(parents)):
             if node in kids:
                 logits[r, node, kids[node][0]] += deep
-            free = [a for a in range(vocab) if a not in kids.get(node, [])]
-            if free:
-                logits[r, node, free[-1]] = float("-inf")
+            free = vocab - 1  # the largest token that is no drafted child (O(children), not O(V))
+            while free in kids.get(node, ()):
+                free -= 1
+            if free >= 0:
+                logits[r, node, free] = float("-inf")
         logits[r, len(parents) :] = float("nan")
     return trees, tree, logits
 
@@ -191,17 +193,21 @@ MC_CASES = {
 MC_ROWS = 20_000 if DEVICE == "cuda" else 400
 
 
-@pytest.mark.parametrize("name", list(MC_CASES))
-def test_kernel_draws_follow_the_enumerated_law(name, rows=MC_ROWS):
-    """Chi-square of the kernel's (exit node, bonus) over ``rows`` draws per tree against the law
-    enumerated from target continuations (tests/exact_law.py); E[accept_len] = coverage.
+def kernel_draws_against_law(name: str, rows: int = MC_ROWS) -> dict:
+    """Chi-square of the kernel's (exit node, bonus) over ``rows`` draws of the ``MC_CASES[name]``
+    tree against the law enumerated from target continuations (tests/exact_law.py).
 
     The row kernel runs once per distinct tree (its outputs do not depend on the uniforms); its
     per-node outputs are repeated and the exit and bonus kernels draw for every row.
+
+    Returns:
+        dict with ``pvalue``, ``accept_mean``, ``accept_bound`` (6 standard
+        errors), ``coverage`` (enumerated C_p), ``kernel_coverage``, ``rows``. Also used by
+        scripts/gpu_check.py (20k draws on a GPU).
     """
     sp = MC_CASES[name]
     seed = list(MC_CASES).index(name)
-    trees, tree, logits = make_case(300 + seed, 5, sizes=[6], deep=2.0)
+    trees, tree, logits = make_case(300 + seed, 5, sizes=[6], deep=2.0)  # one tree
     launch = triton_tev._prepare(tree.to(DEVICE), logits.to(DEVICE), sp, 4)
     stats = triton_tev._launch_rows(launch)
     big_tree = DraftTree.from_parents(_repeat(tree.parents, rows), _repeat(tree.tokens, rows), _repeat(tree.valid, rows))
@@ -213,16 +219,21 @@ def test_kernel_draws_follow_the_enumerated_law(name, rows=MC_ROWS):
     probs = processed_probs(logits.double(), sp)
     ref_law = exit_law(tree, probs)
     n, v = logits.shape[1:]
-    for r, (parents, tokens) in enumerate(trees):
-        m = len(parents)
-        exact = np.zeros((n, v))
-        exact[:m] = enumerate_exit_law(parents, tokens, probs[r, :m].numpy())
-        sl = slice(r * rows, (r + 1) * rows)
-        counts = np.zeros((n, v))
-        np.add.at(counts, (ex[sl].numpy(), bonus[sl].numpy()), 1)
-        pval = chi_square_pvalue(counts, exact)
-        assert pval > ALPHA, f"chi-square p = {pval:.3g} on tree {r}"
-        acc = big_tree.depth[sl].gather(1, ex[sl, None])[:, 0].double()
-        cov = float(ref_law.coverage[r])
-        assert abs(float(acc.mean()) - cov) < 6 * float(acc.std()) / rows**0.5 + 1e-9
-        assert float(law.coverage[r * rows].cpu()) == pytest.approx(cov, abs=1e-6)
+    (parents, tokens), = trees
+    exact = np.zeros((n, v))
+    exact[: len(parents)] = enumerate_exit_law(parents, tokens, probs[0, : len(parents)].numpy())
+    counts = np.zeros((n, v))
+    np.add.at(counts, (ex.numpy(), bonus.numpy()), 1)
+    acc = big_tree.depth.gather(1, ex[:, None])[:, 0].double()
+    return dict(rows=rows, pvalue=chi_square_pvalue(counts, exact), accept_mean=float(acc.mean()),
+                accept_bound=6 * float(acc.std()) / rows**0.5 + 1e-9, coverage=float(ref_law.coverage[0]),
+                kernel_coverage=float(law.coverage[0].cpu()))
+
+
+@pytest.mark.parametrize("name", list(MC_CASES))
+def test_kernel_draws_follow_the_enumerated_law(name, rows=MC_ROWS):
+    """Chi-square of the kernel's draws against the enumerated law; E[accept_len] = coverage."""
+    got = kernel_draws_against_law(name, rows)
+    assert got["pvalue"] > ALPHA, f"chi-square p = {got['pvalue']:.3g}"
+    assert abs(got["accept_mean"] - got["coverage"]) < got["accept_bound"]
+    assert got["kernel_coverage"] == pytest.approx(got["coverage"], abs=1e-6)

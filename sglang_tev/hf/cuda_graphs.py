@@ -9,7 +9,7 @@ them). A capture that fails is logged and that shape runs eagerly from then on; 
 capture seconds are kept in ``stats``.
 
 Not measured on a GPU in this repository (the development machine has none):
-``benchmarks/gpu_round.py`` is the measurement to run. On CPU ``static_shapes`` runs eagerly
+``scripts/gpu_check.py`` checks and times it (``benchmarks/gpu_round.py``'s round). On CPU ``static_shapes`` runs eagerly
 (tested for identical outputs).
 """
 
