@@ -90,6 +90,38 @@ def test_bad_settings_raise_one_clear_error(kw, env, match):
         assert vars(sa) == before  # refused before any write
 
 
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
+        ({"presence_penalty": -1.0}, "presence_penalty=-1.0"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+        ({"min_new_tokens": 3}, "min_new_tokens=3"),
+    ],
+)
+def test_path_dependent_options_are_refused_per_request(params, match):
+    from sglang_tev.srt.admission import _after_validate, check_sampling_params
+
+    with pytest.raises(ValueError, match="TEV: sampling parameter " + match):
+        check_sampling_params(dict(params, temperature=0.7))
+    tev = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="TEV"))
+    other = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="EAGLE"))
+    req = SimpleNamespace(sampling_params=dict(params))
+    with pytest.raises(ValueError, match=match):
+        _after_validate(None, tev, req, [1, 2])
+    assert _after_validate("ok", other, req, [1, 2]) == "ok"  # other algorithms are not touched
+
+
+def test_served_options_pass_admission():
+    from sglang_tev.srt.admission import check_sampling_params
+
+    check_sampling_params(None)
+    check_sampling_params(
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "frequency_penalty": 0.0, "presence_penalty": 0,
+         "repetition_penalty": 1.0, "min_new_tokens": 0, "logit_bias": {"5": 1.0}, "regex": "[a-z]+", "n": 2}
+    )  # fmt: skip
+
+
 def test_cpu_device_takes_the_torch_reference_backend():
     sa = args(device="cpu", attention_backend=None, _raw_input={"attention_backend": None})
     resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={})

@@ -224,6 +224,10 @@ BAD = [
     (["--speculative-accept-threshold-acc", "0.5"], "threshold-acc must be 1.0"),
     (["--device", "cpu", "--attention-backend", "torch_native"], "'torch_native' on --device cpu.*accepted: .*--device cpu with --attention-backend tev_cpu"),
     (["--disaggregation-mode", "decode"], "disaggregation"),
+    (["--enable-custom-logit-processor"], "--enable-custom-logit-processor is not supported"),
+    (["--enable-return-hidden-states"], "--enable-return-hidden-states is not supported"),
+    (["--return-hidden-states-mode", "last"], "--return-hidden-states-mode is not supported"),
+    (["--enable-lora"], "--enable-lora is not supported"),
 ]
 
 

@@ -55,6 +55,16 @@ SUPPORTED_DEVICE_BACKENDS = {"cuda": SUPPORTED_ATTENTION_BACKENDS, "cpu": (CPU_A
 """``--device`` -> attention backends TEV accepts there (the first is chosen when none is given)."""
 
 
+_UNSERVED = {
+    "enable_custom_logit_processor": "a custom logit processor sees one row per tree node with the committed "
+    "history only, so its output along a tree path is not what plain decoding would compute",
+    "enable_return_hidden_states": "TEV does not return the target's hidden states of the accepted path",
+    "return_hidden_states_mode": "TEV does not return the target's hidden states of the accepted path",
+    "enable_lora": "the DFlash drafter and the tree verify forward run without LoRA adapters",
+    "lora_paths": "the DFlash drafter and the tree verify forward run without LoRA adapters",
+}
+
+
 def _combinations() -> str:
     return "; ".join(f"--device {d} with --attention-backend {' or '.join(b)}" for d, b in SUPPORTED_DEVICE_BACKENDS.items())
 
@@ -170,7 +180,10 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
         (the message lists the accepted combinations); explicit decode CUDA graphs
         (``--cuda-graph-backend-decode`` other than disabled); ``--speculative-eagle-topk`` other than 1;
         ``--speculative-draft-window-size`` (compact draft cache); rejection sampling or block
-        verification (TEV is its own exact verifier); accept thresholds other than 1.
+        verification (TEV is its own exact verifier); accept thresholds other than 1; custom logit
+        processors, hidden-state return and LoRA (``--enable-custom-logit-processor``,
+        ``--enable-return-hidden-states`` / ``--return-hidden-states-mode``, ``--enable-lora`` /
+        ``--lora-paths``). Per-request options are checked at admission (``admission``).
     """
     read_env(environ)
     device_kind = _device_kind(sa)
@@ -208,6 +221,18 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
         raise ValueError(
             f"TEV: --cuda-graph-backend-decode {graph!r}: decode CUDA graphs do not carry the tree mask yet; leave it unset or 'disabled'"
         )
+    for flag, name, off in (
+        ("--enable-custom-logit-processor", "enable_custom_logit_processor", (None, False)),
+        ("--enable-return-hidden-states", "enable_return_hidden_states", (None, False)),
+        ("--return-hidden-states-mode", "return_hidden_states_mode", (None, "none", "disabled")),
+        ("--enable-lora", "enable_lora", (None, False)),
+        ("--lora-paths", "lora_paths", (None, [], (), {})),
+    ):
+        value = _raw(sa, name)
+        if value not in off:
+            raise ValueError(
+                f"TEV: {flag} is not supported: {_UNSERVED[name]}; serve these requests without speculative decoding"
+            )
     topk = getattr(sa, "speculative_eagle_topk", None)
     if topk is not None and int(topk) != 1:
         raise ValueError(f"TEV: --speculative-eagle-topk must be 1 or unset (SGLANG_TEV_TOPK sets the DDTree width), got {topk}")

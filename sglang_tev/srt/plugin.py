@@ -24,9 +24,13 @@ def register() -> None:
 
     if get_spec(ALGORITHM_NAME) is not None:
         return
+    from .admission import install_admission_hook
     from .algo import TevAlgo
     from .config import CPU_ATTENTION_BACKEND, validate_server_args
     from .cpu_attention import register_cpu_attention
+
+    # per-request refusals (HTTP 400) of options TEV cannot serve exactly yet
+    install_admission_hook()
 
     # --attention-backend tev_cpu: the pure-torch backend TEV uses with --device cpu
     register_cpu_attention(CPU_ATTENTION_BACKEND)

@@ -52,6 +52,7 @@ from .round import (
     build_trees,
     commit_outputs,
     compact_rows,
+    request_depth_caps,
     sampling_params_from_info,
     seeded_uniforms,
     tree_verify_layout,
@@ -194,7 +195,12 @@ class TEVWorker(DFlashWorkerV2):
 
         # 1) draft -> tree
         logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu)
-        tree = build_trees(logq, ids, self.tev.budget, draft_input.bonus_tokens.view(-1).to(torch.int64), self.tev.max_depth)
+        # no node may sit at a position past the model's context (a request near its end gets a
+        # shallower tree, root-only at the last position)
+        caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
+        tree = build_trees(
+            logq, ids, self.tev.budget, draft_input.bonus_tokens.view(-1).to(torch.int64), self.tev.max_depth, depth_cap=caps
+        )
         layout = tree_verify_layout(tree, prefix, int(seq_lens_cpu.sum()))
         # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
         # with its grammar state and fills one vocabulary mask per node (spec_utils.traverse_tree)
