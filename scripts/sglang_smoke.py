@@ -8,7 +8,7 @@ small pair shipped in ``sglang_tev/assets/tiny-code``), runs
 1. a greedy batch of ``--batch`` prompts: TEV's (and DFLASH's) output token ids must equal the
    no-speculation ids for every prompt;
 2. a batch of ``--batch`` requests with mixed sampling parameters (temperature 0 / 0.6 / 1.0,
-   top-k, top-p, min-p, seeds, a frequency penalty, a logit bias): every request must finish;
+   top-k, top-p, min-p, seeds, a regex grammar, a logit bias): every request must finish;
 
 and prints tau (SGLang's ``spec_accept_length``: mean tokens per verify round) and tokens/s per
 mode, plus TEV's per-request metrics when present. Exit code 0 when every check passes, 1 when
@@ -50,7 +50,7 @@ def mixed_sampling(n: int, seed: int) -> list[dict]:
         dict(temperature=1.0, top_k=20),
         dict(temperature=0.8, min_p=0.05),
         dict(temperature=1.0, top_k=50, top_p=0.8, sampling_seed=seed),
-        dict(temperature=0.7, frequency_penalty=0.5),
+        dict(temperature=0.7, regex="[a-z_ ]+\\("),  # a grammar: per-node vocabulary masks
         dict(temperature=0.9, logit_bias={"0": -100.0}),
         dict(temperature=1.2, top_p=0.95, sampling_seed=seed + 1),
     ]

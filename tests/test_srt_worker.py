@@ -168,6 +168,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
         kv_index_translator=translator,
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: fake_kv),
         model=SimpleNamespace(lm_head=torch.nn.Linear(2, V)),
+        model_config=SimpleNamespace(context_len=4096),
     )
     w._target_worker = SimpleNamespace(model_runner=w.model_runner, forward_batch_generation=target_forward)
     w.draft_model_runner = SimpleNamespace(forward=draft_forward, kv_index_translator=translator)
