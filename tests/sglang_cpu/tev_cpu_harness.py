@@ -60,6 +60,15 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
         view[tgt] = view[src].clone()
 
 
+def _windows(req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor):
+    """(pool row, start, end, slice of the packed per-request layout) per request, in order."""
+    pos = 0
+    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        n = int(e) - int(s)
+        yield int(r), int(s), int(e), slice(pos, pos + n)
+        pos += n
+
+
 def assign_req_to_token_pool_cpu(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -73,11 +82,8 @@ def assign_req_to_token_pool_cpu(
     Serves ``srt/mem_cache/allocation.py:746`` (``assign_req_to_token_pool_func`` on CPU), called
     by ``srt/speculative/dflash_info_v2.py:197`` (``prepare_for_decode``) and by extend allocation.
     """
-    pos = 0
-    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
-        n = int(e) - int(s)
-        req_to_token[int(r), int(s) : int(e)] = out_cache_loc[pos : pos + n].to(req_to_token.dtype)
-        pos += n
+    for r, s, e, packed in _windows(req_pool_indices, start_offset, end_offset):
+        req_to_token[r, s:e] = out_cache_loc[packed].to(req_to_token.dtype)
 
 
 def assign_extend_cache_locs_cpu(
@@ -94,11 +100,8 @@ def assign_extend_cache_locs_cpu(
     Serves ``sglang/kernels/ops/speculative/cache_locs.py`` (``assign_extend_cache_locs_func``'s
     CPU branch), which the DFlash draft block and TEV's tree window use to find their KV slots.
     """
-    pos = 0
-    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
-        n = int(e) - int(s)
-        out_cache_loc[pos : pos + n] = req_to_token[int(r), int(s) : int(e)].to(out_cache_loc.dtype)
-        pos += n
+    for r, s, e, packed in _windows(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[packed] = req_to_token[r, s:e].to(out_cache_loc.dtype)
 
 
 _M32 = 0xFFFFFFFF
