@@ -2,10 +2,12 @@
 
 TEV's guarantee is that each request's output is distributed exactly as plain decoding of the
 target with that request's sampling parameters. Options whose effect depends on the tokens
-generated so far cannot be applied exactly by one adjustment per request on a whole tree; SGLang's
-DFLASH/EAGLE verifiers apply the committed-state adjustment at every tree node, which changes the
-law at depth >= 2. Until TEV recomputes them along each tree path, such requests are refused at
-admission, with one ``ValueError`` naming the option: SGLang's HTTP layer answers it with a 400,
+generated so far cannot be applied exactly by one adjustment per request on a whole tree: the
+history differs along each tree path. (SGLang 0.5.23's own DFLASH verify drops them after the
+first token altogether, measured on CPU: ``apply_dflash_verify_logits_adjustments`` reads
+``acc_linear_penalties``, which ``SamplingBatchInfo`` does not carry, and the forward copy of the
+batch has no penalizer; its output with penalties equals its output without.) Until TEV keeps
+these counts along each tree path itself, such requests are refused at admission, with one ``ValueError`` naming the option: SGLang's HTTP layer answers it with a 400,
 ``Engine.generate`` raises it, and the server keeps serving everything else.
 
 Served exactly (not refused): temperature, top-k, top-p, min-p, ``sampling_seed``, ``logit_bias``

@@ -111,6 +111,12 @@ class TEVWorker(DFlashWorkerV2):
         if get_parallel().tp_rank == 0:
             logger.info("TEV worker: %s", self.tev)
 
+    def _validate_phase1_sampling_support(self, batch) -> None:
+        """No-op. DFlash's check (``dflash_worker_v2.py:2287-2317``) warns that sampled requests
+        fall back to greedy argmax verification on builds without its sampling-verify kernel;
+        TEV verifies every request under its own processed target law, so nothing falls back."""
+        return None
+
     # ------------------------------------------------------------------ entry
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
