@@ -367,30 +367,40 @@ def test_tev65_first_two_sampled_tokens_follow_the_min_p_law(hosts, prompt_ids, 
     _check_first_two_tokens(_tev65(hosts), prompt_ids[4], hf_model, {"temperature": 1.0, "min_p": 0.05}, seeded=False)
 
 
-def test_runtimes_agree(hosts, prompt_ids):
-    """SGLang's TEV and the transformers runtime on the same prompts, budget 64, bf16, greedy:
-    the same tokens, and trees of the same quality (tokens per round within 15 %).
+def test_runtimes_agree_round_by_round(hosts, prompt_ids, hf_model):
+    """SGLang's TEV and the transformers runtime, same prompts, budget 64, bf16, greedy: the same
+    tokens, and from the first position where both start a round, the same rounds.
 
-    Round-by-round equality of ``tev_accept_length`` does NOT hold in bf16: the drafter runs
-    through SGLang's DFlash model code in one and this project's in the other, and bf16 rounding
-    reorders near-tied draft candidates, which changes the tree's marginal nodes (measured: every
-    prompt differs from round 1 or 2 on). fp32 would remove most of that, but SGLang 0.5.23 loads
-    the DFlash drafter in its config dtype (bf16) under ``--dtype float32`` and then fails on the
-    fp32 inputs (``srt/models/dflash.py:380``)."""
+    The two runtimes start differently: SGLang samples the first token in its prefill and roots
+    its first tree at it; the transformers runtime roots its first tree at the last prompt token.
+    So their round boundaries differ until both happen to start a round at the same position;
+    from there on they hold the same committed context and root, build the same tree and must
+    accept the same path, round after round."""
     from sglang_tev.hf.runtime import SpeculativeGenerator
 
-    out = _tev65(hosts).generate(prompt_ids[:4], greedy_params(MAX_NEW[:4]))
+    out = _tev65(hosts).generate(prompt_ids, greedy_params(MAX_NEW))
     gen = SpeculativeGenerator.from_pretrained(dtype=torch.bfloat16)
-    tau_hf, tau_sgl = [], []
-    for i, o in enumerate(out):
-        res = gen.generate(prompt_ids[i], method="tev", budget=64, max_new_tokens=MAX_NEW[i])
-        assert list(res.token_ids) == o["output_ids"], i
-        rounds = o["meta_info"]["tev_accept_length"]
-        assert sum(rounds) >= len(o["output_ids"]) - 1
-        tau_hf.append(sum(r.emitted for r in res.rounds) / len(res.rounds))
-        tau_sgl.append(sum(rounds) / len(rounds))
-    mean_hf, mean_sgl = sum(tau_hf) / len(tau_hf), sum(tau_sgl) / len(tau_sgl)
-    assert mean_sgl > 2.0 and abs(mean_sgl / mean_hf - 1) < 0.15, (tau_hf, tau_sgl)
+    aligned = 0
+    runs = [gen.generate(p, method="tev", budget=64, max_new_tokens=n) for p, n in zip(prompt_ids, MAX_NEW)]
+    # the tokens: equal up to a bf16 near-tie (the two runtimes' model code rounds differently)
+    assert_same_ids([list(r.token_ids) for r in runs], ids_of(out), prompt_ids, hf_model, "transformers runtime vs SGLang")
+    for i, (o, res) in enumerate(zip(out, runs)):
+        if list(res.token_ids) != o["output_ids"]:
+            continue  # a near-tie flip (checked above): the rounds after it follow other contexts
+        n = len(prompt_ids[i])
+        sgl = o["meta_info"]["tev_accept_length"]  # tokens emitted per round, root at n + sum(before)
+        hf = [r.emitted for r in res.rounds]  # first root: the last prompt token, at n - 1
+        sgl_starts = {n + sum(sgl[:k]): k for k in range(len(sgl))}
+        hf_starts = [n - 1 + sum(hf[:k]) for k in range(len(hf))]
+        common = [(j, sgl_starts[q]) for j, q in enumerate(hf_starts) if q in sgl_starts]
+        if not common:
+            continue
+        j, k = common[0]
+        # the last round: SGLang reports the verifier's block, the scheduler then cuts it at
+        # max_new_tokens; the runtime reports what it emitted after the cut
+        assert hf[j:-1] == sgl[k:-1] and hf[-1] <= sgl[-1], (i, hf, sgl, "from HF round", j, "SGLang round", k)
+        aligned += len(hf) - 1 > j
+    assert aligned >= 3, f"only {aligned} prompts ever started a round at the same position"
 
 
 def test_tev_refuses_path_dependent_options_and_keeps_serving(hosts, prompt_ids, plain_greedy, hf_model):
