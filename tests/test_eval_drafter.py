@@ -255,3 +255,35 @@ def test_trainer_evaluation_reports_the_same_block_length(shipped, tmp_path):
     for t in sums:
         assert ev[f"block_len_T{t:g}"] == pytest.approx(sums[t] / count, rel=1e-5)
     assert ev["block_len_T0"] != ev["block_len_T1"] and 0 <= ev["w_root_T1"] <= 1
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(budgets=[-1]), "budgets"), (dict(budgets=[]), "budgets"), (dict(temperatures=[float("nan")]), "temperatures"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(draft_paths=[]), "draft"), (dict(prompts=[]), "prompts"),
+    (dict(output_dir=None), "cache_dir"),
+])
+def test_python_api_bad_inputs_name_the_argument_before_loading(kw, key, tmp_path, monkeypatch):
+    import sglang_tev.train.trainer as trainer_mod
+    from sglang_tev.hf.datasets import Prompt
+    from sglang_tev.train.drafter_eval import evaluate_drafters
+
+    monkeypatch.setattr(trainer_mod, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    args = dict(target_path=ASSET / "target", draft_paths=[ASSET / "draft"], prompts=[Prompt(id="p", text="def f():")],
+                output_dir=tmp_path / "o")
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"^{key}"):
+        evaluate_drafters(**args)
+    assert not (tmp_path / "o").exists()
+
+
+def test_breakdown_and_temperature_errors():
+    from sglang_tev.draft.ddtree import build_ddtree
+    from sglang_tev.train.drafter_eval import exit_breakdown, laws_by_temperature
+    from sglang_tev.tree import exit_law
+
+    tree = build_ddtree(torch.randn(2, 3, 7), 5, torch.tensor([1, 2]))
+    law = exit_law(tree, torch.softmax(torch.randn(2, 6, 7), -1))
+    with pytest.raises(ValueError, match="horizon"):
+        exit_breakdown(tree, law, tree.max_depth - 1)
+    with pytest.raises(ValueError, match="temperature"):
+        laws_by_temperature(None, None, torch.zeros(1, 4, 2), tree, torch.zeros(1, 2, dtype=torch.long), [1.0, -0.5])
