@@ -510,14 +510,21 @@ def markdown(rep: dict) -> str:
               "| Δ % ± SE (z) | " + " | ".join(f"{g[k]['diff']:+.3f} ± {g[k]['se']:.3f} ({g[k]['z']:+.1f})" for k in keys)
               + f" | {'yes' if g['go'] else 'NO'} |", ""]
     L += ["| run | steps | " + " | ".join(f"1+C_p {k}" for k in keys) + " | " + " | ".join(f"τ {k}" for k in keys)
-          + " | w_root / cut / horizon " + keys[-1] + " |", "| --- " * (3 + 2 * len(keys)) + "|"]
+          + " |", "| --- " * (2 + 2 * len(keys)) + "|"]
     for rn, r in runs.items():
         ev, tau = r.get("eval", {}), r.get("tau", {})
         cells = [f"{ev[k]['block_len']:.4f} ± {ev[k]['block_len_se']:.4f}" if k in ev else "-" for k in keys]
         cells += [f"{tau[k]:.3f}" if k in tau else "-" for k in keys]
-        last = ev.get(keys[-1])
-        br = f"{last['w_root']:.3f} / {last['w_cut']:.3f} / {last['w_horizon']:.3f}" if last else "-"
-        L.append(f"| {rn} | {r.get('steps', '-')} | " + " | ".join(cells) + f" | {br} |")
+        L.append(f"| {rn} | {r.get('steps', '-')} | " + " | ".join(cells) + " |")
+    L += ["", "| run | setting | exit at root | inner nodes | budget-cut leaves | horizon | depth 1 | depth 2 | depth 3 |",
+          "| --- " * 9 + "|"]
+    for rn, r in runs.items():
+        for k in keys:
+            e = r.get("eval", {}).get(k)
+            if e:
+                dep = (e["w_depth"] + [0.0] * 4)[1:4]
+                L.append(f"| {rn} | {k} | {e['w_root']:.3f} | {e['w_inner']:.3f} | {e['w_cut']:.3f} | "
+                         f"{e['w_horizon']:.3f} | " + " | ".join(f"{x:.3f}" for x in dep) + " |")
     L += ["", "| contrast | " + " | ".join(f"{k}: " + ", ".join(f"s{s}" for s in d["seeds"]) for k in keys)
           + " | " + " | ".join(f"decision {k}" for k in keys) + " |", "| --- " * (1 + 2 * len(keys)) + "|"]
     for x, y in CONTRASTS:
