@@ -102,6 +102,16 @@ def test_exact_block_length_matches_runtime_trees_per_node_enumeration_and_tev_m
         exact = 1 + float(sum(depth[v] * law[v].sum() for v in range(len(parents))))
         assert len(parents) == 5 and max(depth) >= 2
         assert float(stats[(4, 1.0)].block_len[j]) == pytest.approx(exact, abs=2e-4)
+        # the breakdown: the root, nodes with drafted children, leaves above the horizon (H = 15)
+        mass = law.sum(1)
+        inner = sum(mass[v] for v in range(1, len(parents)) if v in parents)
+        br = stats[(4, 1.0)]
+        assert float(br.w_root[j]) == pytest.approx(mass[0], abs=2e-4)
+        assert float(br.w_inner[j]) == pytest.approx(inner, abs=2e-4)
+        assert float(br.w_cut[j]) == pytest.approx(1 - mass[0] - inner, abs=2e-4) and float(br.w_horizon[j]) == 0
+        for d in range(max(depth) + 1):
+            assert float(br.w_depth[j, d]) == pytest.approx(sum(mass[v] for v in range(len(parents)) if depth[v] == d),
+                                                           abs=2e-4)
         if j == 0:
             continue
         # B = 16: the runtime's own round (its drafter cache, builder and tree forward), then TEV on
@@ -287,3 +297,22 @@ def test_breakdown_and_temperature_errors():
         exit_breakdown(tree, law, tree.max_depth - 1)
     with pytest.raises(ValueError, match="temperature"):
         laws_by_temperature(None, None, torch.zeros(1, 4, 2), tree, torch.zeros(1, 2, dtype=torch.long), [1.0, -0.5])
+
+
+def test_breakdown_of_a_hand_tree_with_a_horizon_leaf():
+    """root -a-> u (depth 1) -b-> h (depth 2 = H), root -c-> l (depth 1, no children): V = 4."""
+    from sglang_tev.train.drafter_eval import exit_breakdown
+    from sglang_tev.tree import DraftTree, exit_law
+
+    tree = DraftTree.from_parents(torch.tensor([[-1, 0, 1, 0]]), torch.tensor([[3, 0, 1, 2]]))
+    p = torch.tensor([[[0.5, 0.0, 0.3, 0.2],      # root: a = 0 (0.5), c = 2 (0.3); exits 0.2
+                       [0.1, 0.6, 0.2, 0.1],      # u: b = 1 (0.6); exits 0.4
+                       [0.25, 0.25, 0.25, 0.25],  # h: horizon leaf
+                       [1.0, 0.0, 0.0, 0.0]]], dtype=torch.float64)  # l: leaf
+    br = exit_breakdown(tree, exit_law(tree, p), horizon=2)
+    assert float(br.w_root) == pytest.approx(0.2)
+    assert float(br.w_inner) == pytest.approx(0.5 * 0.4)
+    assert float(br.w_cut) == pytest.approx(0.3)
+    assert float(br.w_horizon) == pytest.approx(0.5 * 0.6)
+    assert br.w_depth[0].tolist() == pytest.approx([0.2, 0.2 + 0.3, 0.3])
+    assert float(br.block_len) == pytest.approx(1 + 0.5 + 0.3 + 0.3)

@@ -87,7 +87,7 @@ def exit_breakdown(tree: DraftTree, law: ExitLaw, horizon: int) -> TreeBreakdown
     w = law.w.double()
     nonroot = tree.valid.clone()
     nonroot[:, 0] = False
-    has_child = torch.zeros_like(nonroot).scatter_(1, tree.parents.clamp(min=0), nonroot)
+    has_child = tree.child_mask().any(-1)
     zero = torch.zeros_like(w)
     at_h = nonroot & (tree.depth == horizon)
     inner = nonroot & has_child & ~at_h
