@@ -539,6 +539,13 @@ def test_rollout_prompt_files_bad_rows_name_the_key(code_target, tmp_path):
         read_prompts(tmp_path / "none.jsonl", tok)
     p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["a", "", "b", "c"]))
     assert [t for t, _ in read_prompts(p, tok, limit=2)] == ["a", "b"]
+    # pre-tokenized rows (eval-drafter writes them): used as they are
+    p.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": []}\n{"prompt": "a"}\n')
+    assert [ids for _, ids in read_prompts(p, tok)] == [[5, 6, 7], tok("a", add_special_tokens=False)["input_ids"]]
+    for bad in ('{"prompt_ids": [1, -2]}', '{"prompt_ids": "12"}', '{"prompt_ids": [1], "prompt": "x"}'):
+        p.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="^rollout.prompts: line 1"):
+            read_prompts(p, tok)
 
 
 def test_train_on_rollouts_end_to_end(tmp_path):
