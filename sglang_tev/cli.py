@@ -4,7 +4,9 @@ docs/cli.md).
 ``sglang-tev generate PROMPT`` streams exactly the decoded new text to stdout (the prompt is not
 echoed; the final flush makes stdout equal ``tokenizer.decode(new_ids, skip_special_tokens=True)``) and prints one summary
 line to stderr. ``sglang-tev bench`` runs every method over a prompt set and writes results.json,
-outputs.jsonl, meta.json and two plots (see :mod:`sglang_tev.hf.bench`).
+outputs.jsonl, meta.json and two plots (see :mod:`sglang_tev.hf.bench`). ``sglang-tev eval-drafter``
+compares drafters by the exact expected block length of their trees on the target's own
+continuations (see :mod:`sglang_tev.train.drafter_eval`).
 
 Bad arguments exit with status 2 and one line naming the argument (no usage block, no traceback);
 the checks that need no model run before any model is loaded. A closed stdout (``| head``) ends

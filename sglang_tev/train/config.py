@@ -99,8 +99,8 @@ class ExitLossConfig:
     ``reach`` (plain P(v): the reference recipes' ``P_tgt``) or ``exit_depth``
     (P(v)·rho(v)·depth(v): the reference code's ``exit`` option). ``lambda``: λ_exit (the paper
     states no value; 0.1 is the reference recipes'). ``temperature``: of the target law the
-    weights are computed from (1.0 as the paper and the reference code; < 1e-5: the greedy
-    one-hot law). ``budget``: the inference tree budget B the trees are built with (paper: 64).
+    weights are computed from (1.0 as the reference code; the paper does not state it; < 1e-5:
+    the greedy one-hot law). ``budget``: the inference tree budget B the trees are built with (paper: 64).
     ``include_horizon_leaves``: keep the nodes at the maximum draft depth (the paper's default).
     ``anchors_per_forward``: anchors whose trees share one target tree forward (null: as many as
     keep the mask under 256 MiB).

@@ -9,7 +9,8 @@ Per step, for the anchors ``a`` of a batch (the block root is ``x_a``, as at inf
    sequence forward: every non-root node is an extra query row at position ``a + depth(v)`` that
    sees ``x[0..a]`` and its tree ancestors (itself included); the root's row is the sequence's own
    row at ``a``. Returns the canonical exit law (:func:`sglang_tev.tree.exit_law`) of every tree
-   under the target law at temperature 1, never a ``[trees, N, V]`` tensor of all anchors at once;
+   under the target law (temperature 1 unless ``loss.exit.temperature`` says otherwise), never a
+   ``[trees, N, V]`` tensor of all anchors at once;
 3. :func:`exit_weights` / :func:`weights_from_law` — the detached per-node weights of
    :func:`sglang_tev.train.losses.exit_loss` (``exit``: ``w(v) = P(v)·rho(v)``, the paper's;
    ``prefix``: reachability ``P(v)`` rescaled to the same total, the paper's §6.2 control;
@@ -17,8 +18,8 @@ Per step, for the anchors ``a`` of a batch (the block root is ``x_a``, as at inf
    ``P(v)·rho(v)·depth(v)``, the reference code's ``exit`` option).
 
 The target law the weights are computed from is the target's softmax at ``temperature``
-(:func:`target_law`; 1.0 by default, as the paper and the reference code; below 1e-5 the greedy
-one-hot law).
+(:func:`target_law`; 1.0 by default, as the reference code — the paper does not state it; below
+1e-5 the greedy one-hot law).
 
 The tree code is the core's (``build_ddtree``, ``exit_law``, ``DraftTree.ancestor_mask``).
 Letters: b sequences, S tokens, n anchors per sequence, T = b·n trees, N = 1 + budget nodes,
@@ -115,7 +116,7 @@ def exit_weights(tree: DraftTree, target_probs: torch.Tensor, mode: str, include
 
     Args:
         tree: the draft trees, N nodes (node 0 the root).
-        target_probs: float [b, N, V], the target law at every node (ExitTrain uses temperature 1).
+        target_probs: float [b, N, V], the target law at every node (:func:`target_law`).
         mode, include_horizon_leaves, horizon: as :func:`weights_from_law`.
     Returns:
         float [b, N] (float64 for float64 input, else float32), no grad. The root's weight is 0
@@ -282,10 +283,10 @@ def iter_tree_logits(
 def score_trees(forward_rows, lm_head, last_hidden: torch.Tensor, tree: DraftTree, anchors: torch.Tensor,
                 anchors_per_forward: int | None = None, mask_dtype: torch.dtype = torch.float32,
                 temperature: float = 1.0) -> ExitLaw:
-    """Exit law of every anchor's tree under the frozen target (paper §5: at temperature 1).
+    """Exit law of every anchor's tree under the frozen target (paper §5).
 
     Arguments as :func:`iter_tree_logits`; ``temperature``: the target law's, as
-    :func:`target_law` (1.0: softmax in float32, the paper's and the reference code's law). The
+    :func:`target_law` (1.0: softmax in float32, the reference code's law). The
     law of each chunk is computed as soon as its logits exist, so at most one chunk's
     ``[b*c, N, V]`` is alive. Returns :class:`ExitLaw` with [T, N] tensors (coverage [T]),
     T = b·n, row order of ``tree``. Raises ``ValueError`` naming ``temperature``.

@@ -55,8 +55,8 @@ STATE_VERSION = 1
 # Config keys that do not change what is computed: excluded from the resume fingerprint.
 _RUN_CONTROL_KEYS = frozenset({
     "output_dir", "resume", "save_every", "keep_checkpoints", "eval_every", "eval_data",
-    "eval_windows", "eval_stride", "eval_budget", "eval_temperatures", "log_every", "progress", "tensorboard", "threads",
-    "allow_thread_change", "export_dtype", "stop_at_step", "device",
+    "eval_windows", "eval_stride", "eval_budget", "eval_temperatures", "log_every", "progress",
+    "tensorboard", "threads", "allow_thread_change", "export_dtype", "stop_at_step", "device",
 })
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
