@@ -266,6 +266,25 @@ def data_stage(out: Path, mach: dict) -> dict:
         record(data, {"kind": "rollouts", "command": "ensure_rollouts(" + json.dumps(cfg.__dict__) + ")",
                       "seed": d["rollout_seed"], "wall_s": round(time.time() - t0, 1), "machine": mach})
         (data / "rollouts.done").write_text("")
+    if not (data / "continuations.done").exists():
+        # the test continuations every evaluation reads, made here so that parallel evaluations
+        # never write the same cache file (the key equals what eval-drafter computes)
+        t0 = time.time()
+        import torch
+
+        from sglang_tev.hf.datasets import encode_prompt, load_prompts
+        from sglang_tev.train.drafter_eval import continuations
+        from sglang_tev.train.trainer import load_target
+
+        torch.set_num_threads(1)
+        target, tok = load_target(ASSET / "target", torch.device("cpu"), torch.float32)
+        ids = [encode_prompt(p, tok, True) for p in load_prompts(data / "test_prompts.jsonl")]
+        for t in DESIGN["eval_temperatures"]:
+            continuations(target, tok, ASSET / "target", ids, float(t), DESIGN["eval_max_new_tokens"],
+                          DESIGN["eval_seed"], data / "continuations", batch_size=16)
+        record(data, {"kind": "test continuations", "command": "drafter_eval.continuations (as eval-drafter)",
+                      "seed": DESIGN["eval_seed"], "wall_s": round(time.time() - t0, 1), "machine": mach})
+        (data / "continuations.done").write_text("")
     if not (data / "lambda.json").exists():
         t0 = time.time()
         lam = measure_lambda(out)
@@ -561,7 +580,7 @@ def main(argv=None) -> int:
     p.add_argument("--segment-steps", type=int, default=50, help="training steps per work unit (default 50)")
     p.add_argument("--jobs", type=int, default=1, help="work units in parallel, one thread each (default 1)")
     p.add_argument("--ignore-gate", action="store_true", help="run the other arms even when the gate says no-go")
-    p.add_argument("--data-only", action="store_true", help="only the data stage (split, prompts, rollouts, λ)")
+    p.add_argument("--data-only", action="store_true", help="only the data stage (split, prompts, rollouts, test continuations, λ)")
     p.add_argument("--collect", action="store_true", help="only gather the runs into --results")
     p.add_argument("--report", action="store_true", help="only print the doc tables from --results")
     args = p.parse_args(argv)
