@@ -1,257 +1,610 @@
-"""ExitTrain experiment on the shipped tiny-code pair (issue: ExitTrain, docs/exittrain.md).
+"""ExitTrain ablation on the shipped tiny-code pair, designed before it runs (docs/exittrain.md,
+"The experiment"). Resumable in chunks: every command continues where the last one stopped.
 
-Every arm starts from the shipped drafter and trains the same number of optimizer steps on the
-same data (the stdlib token stream of ``scripts/build_tiny_code.py``'s tokenizer stage) with the
-shipped recipe (distillation, gamma 2, 512-token windows, batch 4; 16 anchors per window by default,
-the shipped build used 32), continued at the shipped run's final learning rate:
+Design (frozen in ``DESIGN``; ``OUT/design.json`` records it and a changed design is refused):
 
-    A  dense loss only (the shipped recipe continued)
-    B  dense + lambda * L_exit with prefix weights  (reachability control, paper §6.2)
-    C  dense + lambda * L_exit with exit weights    (ExitTrain, paper Eq. 14)
+* start: the shipped pair (``sglang_tev/assets/tiny-code``), target frozen;
+* data: ``TRAIN_PROMPTS`` prompts cut from the stdlib TRAINING split of
+  ``scripts/build_tiny_code.py`` (its ``split.json``), answered once by the target at T = 1
+  (``rollout:``, one cache shared by every run); test: ``TEST_PROMPTS`` prompts cut from the 18
+  held-out files (never seen by tokenizer, target or drafter), the target's own continuations at
+  T = 0 and T = 1 cached once by ``sglang-tev eval-drafter``;
+* dense loss: token CE on the rollouts (response tokens only), γ = 7, lr 1e-3 (warmup 20,
+  cosine to 10 %), 600 steps, batch 4 × 512 tokens, 16 anchors per sequence, tree budget 64;
+* λ: fixed before any arm runs from gradient norms at the shipped drafter:
+  ``λ = 0.6 / median_s(|∇L_exit| / |∇L_tok|)`` over the first 8 batches of seed 0, 2 significant
+  digits (``OUT/data/lambda.json``); the same λ for B, C and D;
+* arms: A token only; B + prefix weights; C + exit weights; D + exit weights under the T = 0 law;
+  seeds 0, 1, 2, paired (a seed fixes the batches and anchors of every arm);
+* metric: ``eval-drafter`` on the test continuations (B = 64, T = 0 and 1): per-seed paired
+  differences C−A, B−A, C−B, D−A with SEs over prompts; realized τ from ``sglang-tev bench``
+  (tev, B = 64, T = 0 and 1, same prompts);
+* gate: after A-s0 is trained and evaluated, |Δ(A-s0 − shipped)| must exceed 5 SE at T = 0 AND
+  T = 1, else the driver stops (no-go: change the schedule and say so);
+* decision rule, per contrast and temperature: an effect is shown when all three seeds agree in
+  sign and |mean| > 2·SD/√3 (SD over the seeds' Δ).
 
-Each run is then measured with ``sglang-tev bench`` (tev, all 164 HumanEval prompts, T = 0 and 1)
-at B = 64, and seed 0 of each arm also at B = 32 / 128. Everything is resumable: training resumes
-from its checkpoints, a finished bench (``results.json``) is skipped, so rerunning the same command
-continues where a killed session stopped.
+Commands::
 
-    python scripts/build_tiny_code.py --out runs/tiny-code --stages tokenizer   # the data (8 s)
-    python benchmarks/exittrain_experiment.py --out runs/exittrain --jobs 2      # train + bench
-    python benchmarks/exittrain_experiment.py --out runs/exittrain --report      # table + JSON
+    python benchmarks/exittrain_experiment.py --out runs/exittrain --chunk-minutes 110 --jobs 1
+    python benchmarks/exittrain_experiment.py --out runs/exittrain --collect   # -> results JSON
+    python benchmarks/exittrain_experiment.py --report                          # doc tables from the JSON
+
+A chunk runs work units in this order until ``--chunk-minutes`` would be exceeded: the data
+stage, A-s0 in segments of ``--segment-steps``, the shipped drafter's and A-s0's evaluation, the
+gate, then B/C/D seed 0, then seeds 1 and 2, each run's evaluation and bench as soon as it is
+trained. Every unit appends its command, seed, machine and wall time to ``OUT/<run>/record.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "sglang_tev" / "assets" / "tiny-code"
+RESULTS = REPO / "benchmarks" / "results" / "exittrain-experiment.json"
+sys.path.insert(0, str(REPO))
 
-ARMS = {  # name: (loss.exit.mode, lambda)
-    "A": ("none", 0.0),
-    "B": ("prefix", 10.0),
-    "C": ("exit", 10.0),
-    "C-lam30": ("exit", 30.0),
-    "C-lam100": ("exit", 100.0),
+DESIGN = {
+    "train_prompts": 1024, "test_prompts": 96, "prompt_chars": 600, "prompt_seed": 0,
+    "rollout_max_new_tokens": 256, "rollout_temperature": 1.0, "rollout_batch_size": 16, "rollout_seed": 0,
+    "steps": 600, "lr": 1e-3, "warmup_steps": 20, "min_lr_ratio": 0.1, "seq_len": 512, "batch_size": 4,
+    "num_anchors": 16, "loss_decay_gamma": 7.0, "budget": 64, "threads": 1,
+    "lambda_target_ratio": 0.6, "lambda_batches": 8,
+    "eval_temperatures": [0.0, 1.0], "eval_budgets": [64], "eval_max_new_tokens": 128, "eval_seed": 0,
+    "seeds": [0, 1, 2], "gate_se": 5.0,
 }
-# (arm, seed); seed 0 of A/B/C is also benched at B = 32 / 128
-RUNS = [("A", 0), ("B", 0), ("C", 0), ("A", 1), ("B", 1), ("C", 1), ("C-lam30", 0), ("C-lam100", 0)]
-WIDE = {("A", 0), ("B", 0), ("C", 0)}
+ARMS = {  # name: (loss.exit.mode, loss.exit.temperature)
+    "A": ("none", 1.0),
+    "B": ("prefix", 1.0),
+    "C": ("exit", 1.0),
+    "D": ("exit", 0.0),
+}
+CONTRASTS = [("C", "A"), ("B", "A"), ("C", "B"), ("D", "A")]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
-def run_name(arm: str, seed: int) -> str:
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def run_names() -> list[tuple[str, int]]:
+    """(arm, seed) in schedule order: A-s0 (the gate), the other arms of seed 0, then seeds 1, 2."""
+    seeds = DESIGN["seeds"]
+    return [("A", seeds[0])] + [(a, seeds[0]) for a in "BCD"] + [(a, s) for s in seeds[1:] for a in "ABCD"]
+
+
+def name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
-def train_cmd(args, arm: str, seed: int) -> list[str]:
-    mode, lam = ARMS[arm]
-    return [sys.executable, "-m", "sglang_tev.train",
-            f"target={ASSET / 'target'}", f"draft_init={ASSET / 'draft'}", f"data={args.data}",
-            f"output_dir={args.out / run_name(arm, seed)}", f"max_steps={args.steps}", f"seed={seed}",
-            "seq_len=512", "batch_size=4", f"num_anchors={args.anchors}", "loss_decay_gamma=2", f"lr={args.lr}",
-            "warmup_steps=0", "threads=1", "save_every=25", "progress=false", "tensorboard=false",
-            "export_dtype=bfloat16", "loss.token_weight=0.0", "loss.distill_weight=1.0",
-            f"loss.exit.mode={mode}", f"loss.exit.lambda={lam}", "loss.exit.budget=64"]
+# ----------------------------------------------------------------------------------------------
+# records
+# ----------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
 
 
-def bench_cmd(args, draft: Path, out: Path, budgets: str) -> list[str]:
-    return [sys.executable, "-m", "sglang_tev.cli", "bench", "--target", str(ASSET / "target"),
-            "--draft", str(draft), "--dataset", "humaneval", "--limit", str(args.limit),
-            "--budgets", budgets, "--temperatures", "0,1", "--max-new-tokens", str(args.max_new_tokens),
-            "--methods", "tev", "--repeats", "1", "--output", str(out), "--no-progress"]  # tau needs no timing repeats
+def record(run_dir: Path, entry: dict) -> None:
+    with _lock:
+        p = run_dir / "record.json"
+        recs = json.loads(p.read_text()) if p.exists() else []
+        recs.append(entry)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(recs, indent=1) + "\n")
+        os.replace(tmp, p)
 
 
-def run(cmd: list[str], log: Path) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    t0 = time.time()
-    with open(log, "a") as f:
+def run_cmd(cmd: list[str], run_dir: Path, kind: str, seed: int | None, mach: dict, **extra) -> float:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0, start = time.time(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(run_dir / "experiment.log", "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=REPO, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+    wall = time.time() - t0
+    record(run_dir, {"kind": kind, "command": cmd, "seed": seed, "start_utc": start, "wall_s": round(wall, 1),
+                     "returncode": proc.returncode, "machine": mach, **extra})
     if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {log}")
-    return time.time() - t0
+        raise RuntimeError(f"failed ({proc.returncode}): {' '.join(cmd)}; see {run_dir / 'experiment.log'}")
+    return wall
 
 
-def bench_once(args, draft: Path, out: Path, budgets: str, log: Path) -> None:
-    if (out / "results.json").exists():
-        return
-    if out.exists():  # a killed bench: start it again
-        import shutil
-        shutil.rmtree(out)
-    wall = run(bench_cmd(args, draft, out, budgets), log)
-    (out / "wall.json").write_text(json.dumps({"wall_s": round(wall, 1), "command": bench_cmd(args, draft, out, budgets)}))
+# ----------------------------------------------------------------------------------------------
+# data stage
+# ----------------------------------------------------------------------------------------------
+
+def cut_prompts(root: Path, files: list[str], n: int, seed: int, max_chars: int) -> list[dict]:
+    """``n`` prompts cut from ``files``: the text before a seeded random line start (at least 5
+    lines and 200 characters in), from a line start at most ``max_chars`` characters earlier.
+    Files are visited round-robin in a seeded order, a cut point used once."""
+    rng = random.Random(seed)
+    order = list(files)
+    rng.shuffle(order)
+    cuts = {}
+    for rel in order:
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        starts, off = [], 0
+        for line in text.splitlines(keepends=True):
+            starts.append(off)
+            off += len(line)
+        cand = [i for i in range(5, len(starts)) if starts[i] >= 200 and text[starts[i]:starts[i] + 1].strip()]
+        rng.shuffle(cand)
+        if cand:
+            cuts[rel] = (text, starts, cand)
+    out = []
+    while len(out) < n and any(c[2] for c in cuts.values()):
+        for rel in order:
+            if rel not in cuts or not cuts[rel][2] or len(out) >= n:
+                continue
+            text, starts, cand = cuts[rel]
+            i = cand.pop()
+            end = starts[i]
+            begin = next(s for s in starts if s >= end - max_chars)
+            out.append({"id": f"{rel}:{i + 1}", "prompt": text[begin:end]})
+    if len(out) < n:
+        raise SystemExit(f"only {len(out)} prompts could be cut from {len(files)} files, {n} wanted")
+    return out
 
 
-def job(args, arm: str | None, seed: int, wide: bool = False) -> None:
-    """Train (when needed) and bench one run at B = 64, or (``wide``) bench it at B = 32 / 128."""
-    name = "shipped" if arm is None else run_name(arm, seed)
-    d = args.out / name
-    d.mkdir(parents=True, exist_ok=True)
-    log = d / "experiment.log"
-    draft = ASSET / "draft" if arm is None else d / "final"
-    if wide:
-        if not (draft / "model.safetensors").exists():
-            raise SystemExit(f"{name}: not trained yet; rerun to bench it at B = 32 / 128")
-        bench_once(args, draft, d / "bench-b32-128", "32,128", log)
+def rollout_overrides(data: Path) -> list[str]:
+    d = DESIGN
+    return [f"rollout.prompts={data / 'train_prompts.jsonl'}", f"rollout.cache={data / 'rollouts.jsonl'}",
+            f"rollout.max_new_tokens={d['rollout_max_new_tokens']}", f"rollout.temperature={d['rollout_temperature']}",
+            f"rollout.batch_size={d['rollout_batch_size']}", f"rollout.seed={d['rollout_seed']}",
+            "rollout.chat_template=false"]
+
+
+def train_overrides(out: Path, arm: str, seed: int, lam: float, stop_at: int) -> list[str]:
+    d = DESIGN
+    mode, temp = ARMS[arm]
+    return [f"target={ASSET / 'target'}", f"draft_init={ASSET / 'draft'}", f"output_dir={out / name(arm, seed)}",
+            f"max_steps={d['steps']}", f"stop_at_step={stop_at}", f"seed={seed}", f"seq_len={d['seq_len']}",
+            f"batch_size={d['batch_size']}", f"num_anchors={d['num_anchors']}",
+            f"loss_decay_gamma={d['loss_decay_gamma']}", f"lr={d['lr']}", f"warmup_steps={d['warmup_steps']}",
+            f"min_lr_ratio={d['min_lr_ratio']}", f"threads={d['threads']}", "save_every=25", "keep_checkpoints=1",
+            "progress=false", "tensorboard=false", "loss.token_weight=1.0", "loss.distill_weight=0.0",
+            f"loss.exit.mode={mode}", f"loss.exit.lambda={lam if mode != 'none' else 0.0}",
+            f"loss.exit.temperature={temp}", f"loss.exit.budget={d['budget']}", *rollout_overrides(out / "data")]
+
+
+def measure_lambda(out: Path) -> dict:
+    """|∇L_exit| / |∇L_tok| of the shipped drafter on the first batches of seed 0 (arm C's config,
+    λ = 1) and the λ that puts the exit gradient at ``lambda_target_ratio`` of the token gradient."""
+    import torch
+
+    from sglang_tev.train import Trainer, load_config
+    from sglang_tev.train.data import anchor_keys, batch_indices, collate, sample_anchors, valid_anchor_positions
+    from sglang_tev.train.losses import block_logits, token_loss
+
+    torch.set_num_threads(1)
+    ov = train_overrides(out, "C", DESIGN["seeds"][0], 1.0, DESIGN["steps"])
+    ov = [o for o in ov if not o.startswith(("output_dir=", "stop_at_step="))] + [f"output_dir={out / 'data' / 'lambda_probe'}"]
+    tr = Trainer(load_config(None, ov))
+    cfg, K = tr.cfg, tr.block_size
+    params = [p for p in tr.draft.parameters() if p.requires_grad]
+    amp = dict(device_type="cpu", dtype=torch.bfloat16, enabled=False)
+    ratios = []
+    for s in range(DESIGN["lambda_batches"]):
+        idx = batch_indices(s, cfg.batch_size, len(tr.data), cfg.seed, 0, 1)
+        ids, lmask = collate(tr.data, idx, tr.pad_id)
+        with torch.no_grad():
+            features, last_hidden, cache = tr._features(ids, keep_kv=True)
+        valid = valid_anchor_positions(ids, lmask, K, tr.sep_ids)
+        anchors, keep = sample_anchors(valid, cfg.num_anchors, anchor_keys(cfg.seed, s, cfg.batch_size, cfg.seq_len, 0))
+        logits, labels = block_logits(tr.step_module, tr.embed, tr.lm_head, features, ids, anchors, keep, K,
+                                      tr.draft.config.mask_token_id)
+        tok = token_loss(logits, labels, keep[..., None].float() * tr.decay)
+        ex, _ = tr._exit_term(logits, ids, anchors, keep, last_hidden, cache, amp, {})
+        g_tok = torch.autograd.grad(tok.numerator / tok.denominator, params, retain_graph=True)
+        g_ex = torch.autograd.grad(ex.numerator / ex.denominator, params)
+        n_tok = torch.sqrt(sum((g.double() ** 2).sum() for g in g_tok))
+        n_ex = torch.sqrt(sum((g.double() ** 2).sum() for g in g_ex))
+        ratios.append(float(n_ex / n_tok))
+    r = statistics.median(ratios)
+    lam = float(f"{DESIGN['lambda_target_ratio'] / r:.2g}")
+    return {"ratios": ratios, "median_ratio": r, "lambda": lam, "target_ratio": DESIGN["lambda_target_ratio"],
+            "batches": DESIGN["lambda_batches"], "weights": "exit (arm C), T = 1"}
+
+
+def data_stage(out: Path, mach: dict) -> dict:
+    """Split, prompts, rollouts, test continuations and λ, each made once (skipped when present)."""
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    tok_dir = REPO / "runs" / "tiny-code" / "tokenizer"
+    if not (tok_dir / "split.json").exists():
+        run_cmd([sys.executable, "scripts/build_tiny_code.py", "--out", str(REPO / "runs" / "tiny-code"),
+                 "--stages", "tokenizer"], data, "split", None, mach)
+    split = json.loads((tok_dir / "split.json").read_text())
+    root = Path(split["stdlib"])
+    for part, key, n, seed in (("train", "train_prompts", DESIGN["train_prompts"], DESIGN["prompt_seed"]),
+                               ("heldout", "test_prompts", DESIGN["test_prompts"], DESIGN["prompt_seed"] + 1)):
+        p = data / f"{key}.jsonl"
+        if not p.exists():
+            rows = cut_prompts(root, split[part], n, seed, DESIGN["prompt_chars"])
+            p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if not (data / "rollouts.done").exists():
+        t0 = time.time()
+        import torch
+
+        from sglang_tev.train.config import RolloutConfig
+        from sglang_tev.train.rollout import ensure_rollouts
+        from sglang_tev.train.trainer import load_target
+
+        torch.set_num_threads(1)
+        target, tok = load_target(ASSET / "target", torch.device("cpu"), torch.float32)
+        d = DESIGN
+        cfg = RolloutConfig(prompts=str(data / "train_prompts.jsonl"), cache=str(data / "rollouts.jsonl"),
+                            max_new_tokens=d["rollout_max_new_tokens"], temperature=d["rollout_temperature"],
+                            batch_size=d["rollout_batch_size"], chat_template=False, seed=d["rollout_seed"])
+        ensure_rollouts(target, tok, cfg, ASSET / "target", data, torch.device("cpu"), progress=True)
+        record(data, {"kind": "rollouts", "command": "ensure_rollouts(" + json.dumps(cfg.__dict__) + ")",
+                      "seed": d["rollout_seed"], "wall_s": round(time.time() - t0, 1), "machine": mach})
+        (data / "rollouts.done").write_text("")
+    if not (data / "continuations.done").exists():
+        # the test continuations every evaluation reads, made here so that parallel evaluations
+        # never write the same cache file (the key equals what eval-drafter computes)
+        t0 = time.time()
+        import torch
+
+        from sglang_tev.hf.datasets import encode_prompt, load_prompts
+        from sglang_tev.train.drafter_eval import continuations
+        from sglang_tev.train.trainer import load_target
+
+        torch.set_num_threads(1)
+        target, tok = load_target(ASSET / "target", torch.device("cpu"), torch.float32)
+        ids = [encode_prompt(p, tok, True) for p in load_prompts(data / "test_prompts.jsonl")]
+        for t in DESIGN["eval_temperatures"]:
+            continuations(target, tok, ASSET / "target", ids, float(t), DESIGN["eval_max_new_tokens"],
+                          DESIGN["eval_seed"], data / "continuations", batch_size=16)
+        record(data, {"kind": "test continuations", "command": "drafter_eval.continuations (as eval-drafter)",
+                      "seed": DESIGN["eval_seed"], "wall_s": round(time.time() - t0, 1), "machine": mach})
+        (data / "continuations.done").write_text("")
+    if not (data / "lambda.json").exists():
+        t0 = time.time()
+        lam = measure_lambda(out)
+        lam["wall_s"] = round(time.time() - t0, 1)
+        (data / "lambda.json").write_text(json.dumps(lam, indent=1) + "\n")
+        record(data, {"kind": "lambda", "command": "measure_lambda", "seed": DESIGN["seeds"][0],
+                      "wall_s": lam["wall_s"], "machine": mach})
+    return json.loads((data / "lambda.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# work units
+# ----------------------------------------------------------------------------------------------
+
+def steps_done(run_dir: Path) -> int:
+    from sglang_tev.train.trainer import checkpoint_dirs
+
+    cks = checkpoint_dirs(run_dir)
+    return cks[-1][0] if cks else 0
+
+
+def median_step_s(run_dir: Path) -> float | None:
+    recs = [r for r in (json.loads((run_dir / "record.json").read_text()) if (run_dir / "record.json").exists() else [])
+            if r["kind"] == "train" and r["steps"][1] > r["steps"][0]]
+    if not recs:
+        return None
+    return statistics.median(r["wall_s"] / (r["steps"][1] - r["steps"][0]) for r in recs)
+
+
+def eval_cmd(out: Path, draft: Path, dest: Path) -> list[str]:
+    d = DESIGN
+    return [sys.executable, "-m", "sglang_tev.cli", "eval-drafter", "--target", str(ASSET / "target"),
+            "--draft", str(draft), "--prompts", str(out / "data" / "test_prompts.jsonl"),
+            "--temperatures", ",".join(f"{t:g}" for t in d["eval_temperatures"]),
+            "--budgets", ",".join(map(str, d["eval_budgets"])), "--max-new-tokens", str(d["eval_max_new_tokens"]),
+            "--seed", str(d["eval_seed"]), "--cache-dir", str(out / "data" / "continuations"),
+            "--output", str(dest), "--overwrite", "--no-progress"]
+
+
+def bench_cmd(out: Path, draft: Path, dest: Path) -> list[str]:
+    d = DESIGN
+    return [sys.executable, "-m", "sglang_tev.cli", "bench", "--target", str(ASSET / "target"), "--draft", str(draft),
+            "--dataset", str(out / "data" / "test_prompts.jsonl"), "--budgets", "64",
+            "--temperatures", ",".join(f"{t:g}" for t in d["eval_temperatures"]),
+            "--max-new-tokens", str(d["eval_max_new_tokens"]), "--methods", "tev", "--repeats", "1",
+            "--output", str(dest), "--overwrite", "--no-progress"]
+
+
+def gate(out: Path) -> dict | None:
+    """A-s0 against the shipped drafter on the test set (None until both are evaluated)."""
+    a, s = out / name("A", DESIGN["seeds"][0]) / "eval" / "results.json", out / "shipped" / "eval" / "results.json"
+    if not (a.exists() and s.exists()):
+        return None
+    ra, rs = load_eval(a), load_eval(s)
+    res = {}
+    for key in ra:
+        d, se = paired(ra[key], rs[key])
+        # no movement at all (the same trees everywhere) is z = 0, not an infinite z
+        res[key] = {"diff": d, "se": se, "z": d / se if se > 0 else (0.0 if d == 0 else math.copysign(1e9, d))}
+    res["go"] = all(abs(v["z"]) > DESIGN["gate_se"] for v in res.values())
+    return res
+
+
+def units(out: Path, lam: float, ignore_gate: bool) -> list[tuple[str, str, int | None, Path, object]]:
+    """The next work units from the state on disk: (kind, run, seed, run dir, payload)."""
+    todo = []
+    shipped = out / "shipped"
+    if not (shipped / "eval" / "results.json").exists():
+        todo.append(("eval", "shipped", None, shipped, ASSET / "draft"))
+    g = gate(out)
+    for arm, seed in run_names():
+        rd = out / name(arm, seed)
+        if (arm, seed) != ("A", DESIGN["seeds"][0]) and not ignore_gate and (g is None or not g["go"]):
+            continue
+        if not (rd / "final" / "model.safetensors").exists():
+            todo.append(("train", name(arm, seed), seed, rd, (arm, seed)))
+        elif not (rd / "eval" / "results.json").exists():
+            todo.append(("eval", name(arm, seed), seed, rd, rd / "final"))
+        elif not (rd / "bench" / "results.json").exists():
+            todo.append(("bench", name(arm, seed), seed, rd, rd / "final"))
+    if not (shipped / "bench" / "results.json").exists():
+        todo.append(("bench", "shipped", None, shipped, ASSET / "draft"))
+    return todo
+
+
+def do_unit(out: Path, lam: float, unit, segment: int, mach: dict) -> None:
+    kind, run, seed, rd, payload = unit
+    if kind == "train":
+        arm, seed = payload
+        a = steps_done(rd)
+        b = min(DESIGN["steps"], a + segment)
+        run_cmd([sys.executable, "-m", "sglang_tev.train", *train_overrides(out, arm, seed, lam, b)], rd, "train",
+                seed, mach, steps=[a, b])
+    elif kind == "eval":
+        run_cmd(eval_cmd(out, payload, rd / "eval"), rd, "eval", seed, mach)
     else:
-        if arm is not None and not (draft / "model.safetensors").exists():
-            wall = run(train_cmd(args, arm, seed), log)
-            (d / "train_wall.json").write_text(json.dumps({"wall_s": round(wall, 1), "seed": seed,
-                                                           "command": train_cmd(args, arm, seed)}))
-        bench_once(args, draft, d / "bench-b64", "64", log)
-    print(f"[exittrain] {name} {'B=32/128' if wide else 'B=64'} done", file=sys.stderr, flush=True)
+        run_cmd(bench_cmd(out, payload, rd / "bench"), rd, "bench", seed, mach)
 
 
-def report(args) -> dict:
-    rows = {}
-    names = ["shipped"] + [run_name(a, s) for a, s in RUNS]
-    for name in names:
-        d = args.out / name
-        res = {}
-        for sub in ("bench-b64", "bench-b32-128"):
-            p = d / sub / "results.json"
-            if p.exists():
-                for r in json.loads(p.read_text()):
-                    if r["method"] == "tev":
-                        res[f"B{r['budget']}-T{r['temperature']:g}"] = {
-                            "tau": r["tau"], "tokens_per_s": r["tokens_per_s"], "coverage_mean": r["coverage_mean"]}
-        rec = {"bench": res}
-        log = d / "train_log.jsonl"
+def estimate_s(unit, segment: int, out: Path) -> float:
+    kind, run, seed, rd, payload = unit
+    if kind == "train":
+        s = median_step_s(rd)
+        if s is None:  # an arm's first segment: another run of the same kind, else a guess
+            arm = payload[0]
+            others = [median_step_s(out / name(arm, x)) for x in DESIGN["seeds"]]
+            others = [x for x in others if x is not None]
+            s = others[0] if others else (4.0 if arm == "A" else 10.0)
+        return s * segment + 20
+    walls = []
+    for p in out.glob(f"*/record.json"):
+        walls += [r["wall_s"] for r in json.loads(p.read_text()) if r["kind"] == kind]
+    return statistics.median(walls) if walls else (900.0 if kind == "eval" else 600.0)
+
+
+def chunk(args, mach: dict) -> int:
+    t_end = time.time() + 60 * args.chunk_minutes
+    out = args.out
+    lam = data_stage(out, mach)["lambda"]
+    print(f"[exittrain] data ready; lambda = {lam}", file=sys.stderr, flush=True)
+    running: dict = {}
+    busy: set[str] = set()
+    with ThreadPoolExecutor(args.jobs) as ex:
+        while True:
+            todo = [u for u in units(out, lam, args.ignore_gate) if u[1] not in busy]
+            for u in todo:
+                if len(running) >= args.jobs:
+                    break
+                est = estimate_s(u, args.segment_steps, out)
+                if time.time() + est > t_end:
+                    continue
+                f = ex.submit(do_unit, out, lam, u, args.segment_steps, mach)
+                running[f] = u
+                busy.add(u[1])
+                print(f"[exittrain] start {u[0]} {u[1]} (about {est / 60:.0f} min)", file=sys.stderr, flush=True)
+            if not running:
+                break
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for f in done:
+                u = running.pop(f)
+                busy.discard(u[1])
+                f.result()
+    g = gate(out)
+    if g is not None:
+        (out / "gate.json").write_text(json.dumps(g, indent=1) + "\n")
+        if not g["go"] and not args.ignore_gate:
+            print("[exittrain] NO-GO: the token-only arm did not move the paired metric by more than "
+                  f"{DESIGN['gate_se']} SE at every temperature ({g}); change the schedule and say so",
+                  file=sys.stderr)
+    left = units(out, lam, args.ignore_gate)
+    print(f"[exittrain] chunk over: {len(left)} unit(s) left" + ("" if left else " — the experiment is complete"),
+          file=sys.stderr)
+    collect(out, args.results)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# results
+# ----------------------------------------------------------------------------------------------
+
+def load_eval(path: Path) -> dict:
+    """{"T<t>-B<b>": {"positions": [...], "sums": [...], "block_len": .., "w_*": ..}} of one run."""
+    rep = json.loads(path.read_text())
+    out = {}
+    for r in rep["results"]:
+        out[f"T{r['temperature']:g}-B{r['budget']}"] = {
+            "positions": r["per_prompt"]["positions"], "sums": r["per_prompt"]["block_len_sum"],
+            **{k: r[k] for k in ("block_len", "block_len_se", "w_root", "w_inner", "w_cut", "w_horizon", "w_depth")}}
+    return out
+
+
+def paired(a: dict, b: dict) -> tuple[float, float]:
+    """Relative paired difference a − b in % of b's mean, and its SE (over prompts)."""
+    from sglang_tev.train.drafter_eval import cluster_se, paired_difference
+
+    if a["positions"] != b["positions"]:
+        raise ValueError("the two runs were not evaluated on the same positions")
+    d, se = paired_difference(a["sums"], b["sums"], a["positions"])
+    ref = cluster_se(b["sums"], b["positions"])[0]
+    return 100 * d / ref, 100 * se / ref
+
+
+def collect(out: Path, results: Path) -> dict:
+    """Everything the report needs, from the run directories, into ``results`` (JSON)."""
+    runs = {}
+    for rd in sorted(p for p in out.iterdir() if p.is_dir() and p.name != "data"):
+        rec = {}
+        if (rd / "eval" / "results.json").exists():
+            rec["eval"] = load_eval(rd / "eval" / "results.json")
+        if (rd / "bench" / "results.json").exists():
+            rec["tau"] = {f"T{r['temperature']:g}-B{r['budget']}": r["tau"]
+                          for r in json.loads((rd / "bench" / "results.json").read_text()) if r["method"] == "tev"}
+        log = rd / "train_log.jsonl"
         if log.exists():
-            recs = [json.loads(ln) for ln in log.read_text().splitlines()]
-            rec["steps"] = len(recs)
+            recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+            rec["steps"] = recs[-1]["step"] if recs else 0
             for k in ("ms_draft", "ms_build", "ms_tree_forward", "ms_backward"):
                 vals = [r[k] for r in recs if k in r]
                 if vals:
                     rec[f"median_{k}"] = round(statistics.median(vals), 1)
-            rec["median_step_ms"] = round(statistics.median(
-                sum(r.get(k, 0.0) for k in ("ms_draft", "ms_build", "ms_tree_forward", "ms_backward")) for r in recs), 1)
-            tail = recs[-20:]
-            for k in ("loss_distill", "loss_exit", "est_tau", "coverage"):
-                if k in tail[0]:
-                    rec[f"last20_{k}"] = round(statistics.mean(r[k] for r in tail), 4)
-        for f in ("train_wall.json",):
-            if (d / f).exists():
-                rec["train_wall_s"] = json.loads((d / f).read_text())["wall_s"]
-        rows[name] = rec
+            tail = recs[-50:]
+            for k in ("loss_tok", "loss_exit", "coverage"):
+                if tail and k in tail[0]:
+                    rec[f"last50_{k}"] = round(statistics.mean(r[k] for r in tail), 5)
+        if (rd / "record.json").exists():
+            rec["record"] = json.loads((rd / "record.json").read_text())
+        runs[rd.name] = rec
+    lam = out / "data" / "lambda.json"
+    rep = {"design": DESIGN, "arms": {k: {"mode": m, "temperature": t} for k, (m, t) in ARMS.items()},
+           "lambda": json.loads(lam.read_text()) if lam.exists() else None,
+           "gate": gate(out), "runs": runs,
+           "data_record": json.loads((out / "data" / "record.json").read_text())
+           if (out / "data" / "record.json").exists() else [],
+           "collected_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(rep, indent=1) + "\n")
+    return rep
 
-    def taus(arm, key):
-        return [rows[run_name(arm, s)]["bench"][key]["tau"] for a, s in RUNS
-                if a == arm and key in rows.get(run_name(arm, s), {}).get("bench", {})]
 
-    summary = {}
-    for key in ("B64-T0", "B64-T1", "B32-T0", "B32-T1", "B128-T0", "B128-T1"):
-        summary[key] = {}
-        for arm in ARMS:
-            t = taus(arm, key)
-            if t:
-                summary[key][arm] = {"mean": statistics.mean(t), "min": min(t), "max": max(t), "n": len(t)}
-        for other in ("A", "B"):
-            if "C" in summary[key] and other in summary[key]:
-                summary[key][f"C_over_{other}_pct"] = 100 * (summary[key]["C"]["mean"] / summary[key][other]["mean"] - 1)
-    import torch
-    import transformers
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores ({platform.platform()})",
-           "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__},
-           "steps": args.steps, "lr": args.lr, "anchors": args.anchors, "limit": args.limit,
-           "max_new_tokens": args.max_new_tokens,
-           "arms": {k: {"mode": m, "lambda": lam} for k, (m, lam) in ARMS.items()},
-           "runs": rows, "summary": summary}
-    return out
+def decide(deltas: list[float]) -> str:
+    """The pre-stated rule: all seeds agree in sign and |mean| > 2·SD/√n."""
+    if len(deltas) < max(2, len(DESIGN["seeds"])):
+        return f"pending ({len(deltas)}/{len(DESIGN['seeds'])} seeds)"
+    m, sd = statistics.mean(deltas), statistics.stdev(deltas)
+    same = all(d > 0 for d in deltas) or all(d < 0 for d in deltas)
+    if same and abs(m) > 2 * sd / math.sqrt(len(deltas)):
+        return "shown: " + ("better" if m > 0 else "worse")
+    return "not shown"
 
 
 def markdown(rep: dict) -> str:
-    """The tables of docs/exittrain.md from :func:`report`."""
-    runs, summ = rep["runs"], rep["summary"]
-    out = ["| run | λ | τ B=64 T=0 | τ B=64 T=1 | train C_p (last 20 steps, T=1) | distill loss (last 20) |",
-           "| --- | --- | --- | --- | --- | --- |"]
-    for name, r in runs.items():
-        b = r["bench"]
-        arm = name.rsplit("-s", 1)[0]
-        lam = "-" if name == "shipped" else rep["arms"][arm]["lambda"]
-        cov = r.get("last20_coverage")
-        out.append(f"| {name} | {lam} | {b.get('B64-T0', {}).get('tau', float('nan')):.3f} | "
-                   f"{b.get('B64-T1', {}).get('tau', float('nan')):.3f} | "
-                   f"{'-' if cov is None else f'{cov:.3f}'} | {r.get('last20_loss_distill', float('nan')):.4f} |")
-    out += ["", "| arm | τ B=64 T=0 mean (min–max) | τ B=64 T=1 mean (min–max) | seeds |", "| --- | --- | --- | --- |"]
-    for arm in ("A", "B", "C"):
-        cells = []
-        for key in ("B64-T0", "B64-T1"):
-            x = summ.get(key, {}).get(arm)
-            cells.append("-" if x is None else f"{x['mean']:.3f} ({x['min']:.3f}–{x['max']:.3f})")
-        n = summ.get("B64-T0", {}).get(arm, {}).get("n", 0)
-        out.append(f"| {arm} | {cells[0]} | {cells[1]} | {n} |")
-    for other in ("A", "B"):
-        cells = [f"{summ.get(k, {}).get(f'C_over_{other}_pct', float('nan')):+.1f} %" for k in ("B64-T0", "B64-T1")]
-        out.append(f"| C vs {other} | {cells[0]} | {cells[1]} | |")
-    out += ["", "| run | τ B=32 T=0 | τ B=32 T=1 | τ B=128 T=0 | τ B=128 T=1 |", "| --- | --- | --- | --- | --- |"]
-    for name, r in runs.items():
-        b = r["bench"]
-        if "B32-T0" in b:
-            out.append(f"| {name} | " + " | ".join(f"{b.get(k, {}).get('tau', float('nan')):.3f}"
-                                                  for k in ("B32-T0", "B32-T1", "B128-T0", "B128-T1")) + " |")
-    out += ["", "| run | median step (ms) | draft | build | tree forward | backward | train wall (s) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, r in runs.items():
-        if "median_step_ms" in r:
-            out.append(f"| {name} | {r['median_step_ms']:.0f} | " + " | ".join(
-                f"{r.get('median_' + k, 0):.0f}" for k in ("ms_draft", "ms_build", "ms_tree_forward", "ms_backward"))
-                + f" | {r.get('train_wall_s', float('nan')):.0f} |")
-    return "\n".join(out) + "\n"
+    runs, d = rep["runs"], rep["design"]
+    keys = [f"T{t:g}-B{b}" for t in d["eval_temperatures"] for b in d["eval_budgets"]]
+    L = []
+    lam = rep.get("lambda")
+    if lam:
+        L += [f"λ = {lam['lambda']} (median |∇L_exit| / |∇L_tok| = {lam['median_ratio']:.4g} over "
+              f"{lam['batches']} batches; target ratio {lam['target_ratio']})", ""]
+    g = rep.get("gate")
+    if g:
+        L += ["| gate: A-s0 − shipped | " + " | ".join(keys) + " | go |", "| --- |" + " --- |" * (len(keys) + 1),
+              "| Δ % ± SE (z) | " + " | ".join(f"{g[k]['diff']:+.3f} ± {g[k]['se']:.3f} ({g[k]['z']:+.1f})" for k in keys)
+              + f" | {'yes' if g['go'] else 'NO'} |", ""]
+    L += ["| run | steps | " + " | ".join(f"1+C_p {k}" for k in keys) + " | " + " | ".join(f"τ {k}" for k in keys)
+          + " |", "| --- " * (2 + 2 * len(keys)) + "|"]
+    for rn, r in runs.items():
+        ev, tau = r.get("eval", {}), r.get("tau", {})
+        cells = [f"{ev[k]['block_len']:.4f} ± {ev[k]['block_len_se']:.4f}" if k in ev else "-" for k in keys]
+        cells += [f"{tau[k]:.3f}" if k in tau else "-" for k in keys]
+        L.append(f"| {rn} | {r.get('steps', '-')} | " + " | ".join(cells) + " |")
+    L += ["", "| run | setting | exit at root | inner nodes | budget-cut leaves | horizon | depth 1 | depth 2 | depth 3 |",
+          "| --- " * 9 + "|"]
+    for rn, r in runs.items():
+        for k in keys:
+            e = r.get("eval", {}).get(k)
+            if e:
+                dep = (e["w_depth"] + [0.0] * 4)[1:4]
+                L.append(f"| {rn} | {k} | {e['w_root']:.3f} | {e['w_inner']:.3f} | {e['w_cut']:.3f} | "
+                         f"{e['w_horizon']:.3f} | " + " | ".join(f"{x:.3f}" for x in dep) + " |")
+    L += ["", "| contrast | " + " | ".join(f"{k}: " + ", ".join(f"s{s}" for s in d["seeds"]) for k in keys)
+          + " | " + " | ".join(f"decision {k}" for k in keys) + " |", "| --- " * (1 + 2 * len(keys)) + "|"]
+    for x, y in CONTRASTS:
+        cells, decisions = [], []
+        for k in keys:
+            ds = []
+            per = []
+            for s in d["seeds"]:
+                ex, ey = runs.get(name(x, s), {}).get("eval", {}), runs.get(name(y, s), {}).get("eval", {})
+                if k in ex and k in ey:
+                    diff, se = paired(ex[k], ey[k])
+                    ds.append(diff)
+                    per.append(f"{diff:+.2f} ± {se:.2f}")
+                else:
+                    per.append("-")
+            cells.append("; ".join(per) + " %")
+            decisions.append(decide(ds))
+        L.append(f"| {x} − {y} | " + " | ".join(cells) + " | " + " | ".join(decisions) + " |")
+    L += ["", "| run | median step (ms) | draft | build | tree forward | backward | train wall (s) |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
+    for rn, r in runs.items():
+        if "median_ms_draft" in r:
+            parts = [r.get(f"median_ms_{k}", 0.0) for k in ("draft", "build", "tree_forward", "backward")]
+            wall = sum(e["wall_s"] for e in r.get("record", []) if e["kind"] == "train")
+            L.append(f"| {rn} | {sum(parts):.0f} | " + " | ".join(f"{p:.0f}" for p in parts) + f" | {wall:.0f} |")
+    return "\n".join(L) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "exittrain")
-    p.add_argument("--data", type=Path, default=REPO / "runs" / "tiny-code" / "tokenizer" / "train.npy")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--anchors", type=int, default=16, help="anchors per 512-token window")
-    p.add_argument("--limit", type=int, default=164)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
-    p.add_argument("--runs", default=None, help="comma-separated subset, e.g. A-s0,C-s0,shipped")
-    p.add_argument("--report", action="store_true", help="only collect results (JSON on stdout)")
-    p.add_argument("--markdown", action="store_true", help="with --report: the docs tables instead of JSON")
+    p.add_argument("--results", type=Path, default=RESULTS, help="results JSON (written by chunks and --collect)")
+    p.add_argument("--chunk-minutes", type=float, default=110.0, help="wall budget of this chunk, <= 120")
+    p.add_argument("--segment-steps", type=int, default=50, help="training steps per work unit (default 50)")
+    p.add_argument("--jobs", type=int, default=1, help="work units in parallel, one thread each (default 1)")
+    p.add_argument("--ignore-gate", action="store_true", help="run the other arms even when the gate says no-go")
+    p.add_argument("--data-only", action="store_true", help="only the data stage (split, prompts, rollouts, test continuations, λ)")
+    p.add_argument("--collect", action="store_true", help="only gather the runs into --results")
+    p.add_argument("--report", action="store_true", help="only print the doc tables from --results")
     args = p.parse_args(argv)
-    args.out = args.out.resolve()
-    settings = args.out / "settings.json"
-    if args.report and settings.exists():  # the settings the runs were made with
-        for k, v in json.loads(settings.read_text()).items():
-            setattr(args, k, v)
     if args.report:
-        rep = report(args)
-        print(markdown(rep) if args.markdown else json.dumps(rep, indent=1))
+        print(markdown(json.loads(args.results.read_text())), end="")
         return 0
-    if not args.data.exists():
-        p.error(f"--data: {args.data} is missing; run scripts/build_tiny_code.py --out runs/tiny-code --stages tokenizer")
+    args.out = args.out.resolve()
+    if args.collect:
+        collect(args.out, args.results)
+        return 0
+    if not 0 < args.chunk_minutes <= 120:
+        p.error(f"argument --chunk-minutes: must be in (0, 120], got {args.chunk_minutes}")
+    if args.jobs < 1 or args.segment_steps < 1:
+        p.error("argument --jobs / --segment-steps: must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    mine = {"steps": args.steps, "lr": args.lr, "anchors": args.anchors, "limit": args.limit,
-            "max_new_tokens": args.max_new_tokens}
-    if settings.exists() and json.loads(settings.read_text()) != mine:
-        p.error(f"--out: {args.out} holds runs made with {settings.read_text().strip()}; use another --out")
-    settings.write_text(json.dumps(mine) + "\n")
-    # the issue's must-haves first (every A/B/C run at B = 64, seed 0 at 32 / 128), then the
-    # starting drafter's own numbers, then the optional λ sweep
-    todo = [(a, s, False) for a, s in RUNS[:6]] + [(a, s, True) for a, s in RUNS if (a, s) in WIDE] \
-        + [(None, 0, False), (None, 0, True)] + [(a, s, False) for a, s in RUNS[6:]]
-    if args.runs:
-        want = set(args.runs.split(","))
-        todo = [t for t in todo if ("shipped" if t[0] is None else run_name(t[0], t[1])) in want]
-    with ThreadPoolExecutor(args.jobs) as ex:
-        for f in [ex.submit(job, args, *t) for t in todo]:
-            f.result()
-    return 0
+    design = args.out / "design.json"
+    if design.exists() and json.loads(design.read_text()) != json.loads(json.dumps(DESIGN)):
+        p.error(f"--out: {args.out} was started with another design ({design}); use another --out")
+    design.write_text(json.dumps(DESIGN, indent=1) + "\n")
+    mach = machine()
+    if args.data_only:
+        data_stage(args.out, mach)
+        return 0
+    return chunk(args, mach)
 
 
 if __name__ == "__main__":

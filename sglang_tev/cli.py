@@ -1,9 +1,12 @@
-"""The ``sglang-tev`` command line: ``generate`` and ``bench`` (DESIGN §5; user doc: docs/cli.md).
+"""The ``sglang-tev`` command line: ``generate``, ``bench`` and ``eval-drafter`` (DESIGN §5; user doc:
+docs/cli.md).
 
 ``sglang-tev generate PROMPT`` streams exactly the decoded new text to stdout (the prompt is not
 echoed; the final flush makes stdout equal ``tokenizer.decode(new_ids, skip_special_tokens=True)``) and prints one summary
 line to stderr. ``sglang-tev bench`` runs every method over a prompt set and writes results.json,
-outputs.jsonl, meta.json and two plots (see :mod:`sglang_tev.hf.bench`).
+outputs.jsonl, meta.json and two plots (see :mod:`sglang_tev.hf.bench`). ``sglang-tev eval-drafter``
+compares drafters by the exact expected block length of their trees on the target's own
+continuations (see :mod:`sglang_tev.train.drafter_eval`).
 
 Bad arguments exit with status 2 and one line naming the argument (no usage block, no traceback);
 the checks that need no model run before any model is loaded. A closed stdout (``| head``) ends
@@ -140,6 +143,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="do not apply the tokenizer's chat template (default: applied when the tokenizer has one)")
 
 
+EVAL_EXAMPLES = """\
+examples:
+  sglang-tev eval-drafter --prompts humaneval --limit 24               # the shipped pair, T = 0 and 1, B = 64
+  sglang-tev eval-drafter --target DIR --draft OLD --draft NEW --prompts prompts.jsonl \\
+      --temperatures 0,1 --budgets 32,64 --max-new-tokens 128 --output runs/eval --cache-dir runs/cont
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Lossless tree speculative decoding (DFlash + DDTree + TEV).",
                      epilog=GENERATE_EXAMPLES + BENCH_EXAMPLES.split("\n", 1)[1] + "\nsee COMMAND --help for each option\n",
@@ -205,6 +216,40 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", type=_int_list, default=None,
                    help="also decode all prompts batched at these sizes, e.g. 1,4,16: tokens/s over the batch and "
                    "per-row tau go into results.json ('batch') and batch_tokens_per_s.png")
+
+    e = sub.add_parser("eval-drafter", help="compare drafters by the exact expected block length 1 + C_p on the "
+                       "target's own continuations",
+                       description="Generate (once, cached) the target's own continuations of the prompts at each "
+                       "temperature, then compute exactly, at every position, each drafter's DDTree and its exit law: "
+                       "the mean expected block length 1 + C_p, where the target mass exits (root, depth, budget-cut "
+                       "leaves, horizon) and, for two or more drafters, the paired differences against the first with "
+                       "standard errors over prompts. Writes results.json, table.txt and exit_mass_by_depth.png to "
+                       "--output (default: eval-results/<date-time>).",
+                       epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    eg = e.add_argument_group("model")
+    eg.add_argument("--target", help="target model directory (HF, with tokenizer); default: the shipped tiny-code pair")
+    eg.add_argument("--draft", action="append", metavar="DIR",
+                    help="DFlash drafter directory (repeatable; the first is the baseline of the differences); "
+                    "default without --target: the shipped drafter")
+    eg.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    eg.add_argument("--no-chat-template", action="store_true",
+                    help="do not apply the tokenizer's chat template (default: applied when the tokenizer has one)")
+    e.add_argument("--prompts", required=True, metavar="FILE",
+                   help="'humaneval' or a .jsonl file (one 'prompt' or 'messages' per line)")
+    e.add_argument("--limit", type=int, help="use the first N prompts")
+    e.add_argument("--temperatures", type=_float_list, default=[0.0, 1.0],
+                   help="target temperatures of the continuations and of the law, comma-separated (default 0,1)")
+    e.add_argument("--budgets", type=_int_list, default=[64], help="DDTree budgets, comma-separated (default 64)")
+    e.add_argument("--max-new-tokens", type=int, default=128, help="continuation length at most (default 128)")
+    e.add_argument("--seed", type=int, default=0, help="sampling seed of the continuations (default 0)")
+    e.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch (default 16)")
+    e.add_argument("--output", metavar="DIR",
+                   help="output directory (default: eval-results/<UTC date-time>); an existing non-empty one is "
+                   "refused unless --overwrite")
+    e.add_argument("--cache-dir", metavar="DIR",
+                   help="where the continuations are cached and reused (default: DIR/continuations of --output)")
+    e.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -581,6 +626,91 @@ def cmd_bench(args, argv: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- eval-drafter
+
+def _check_output_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError("--output", f"{out} exists and is not a directory")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UsageError("--output", f"cannot create {out}: {blocker} is not a directory")
+    if out.is_dir() and any(p.name != "continuations" for p in out.iterdir()) and not overwrite:
+        raise UsageError("--output", f"{out} exists and is not empty (results of an earlier run?); "
+                                     "choose another --output or pass --overwrite")
+
+
+def cmd_eval_drafter(args, argv: list[str]) -> int:
+    """``sglang-tev eval-drafter``: :func:`sglang_tev.train.drafter_eval.evaluate_drafters`."""
+    from .hf.datasets import load_prompts
+
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit", f"must be >= 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise UsageError("--batch-size", f"must be >= 1, got {args.batch_size}")
+    if args.seed < 0:
+        raise UsageError("--seed", f"must be >= 0, got {args.seed}")
+    if not args.budgets or any(not 0 <= b <= MAX_BUDGET for b in args.budgets):
+        raise UsageError("--budgets", f"give budgets in [0, {MAX_BUDGET}], got {args.budgets}")
+    if not args.temperatures or any(not (t >= 0) or math.isinf(t) for t in args.temperatures):
+        raise UsageError("--temperatures", f"temperatures must be finite numbers >= 0, got {args.temperatures}")
+    if len(set(args.temperatures)) != len(args.temperatures) or len(set(args.budgets)) != len(args.budgets):
+        raise UsageError("--temperatures" if len(set(args.temperatures)) != len(args.temperatures) else "--budgets",
+                         "values must be distinct")
+    if args.target is not None:
+        target, drafts = args.target, list(args.draft or [])
+        if not drafts:
+            raise UsageError("--draft", "give at least one --draft with --target")
+    else:
+        try:
+            target, shipped = default_model_paths()
+        except FileNotFoundError as e:
+            raise UsageError("--target", str(e)) from None
+        drafts = list(args.draft or [shipped])
+    for arg, path in [("--target", target)] + [("--draft", d) for d in drafts]:
+        if not os.path.isdir(path):
+            raise UsageError(arg, f"no model directory at {os.fspath(path)!r}")
+    out = Path(args.output) if args.output else \
+        Path("eval-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    _check_output_dir(out, args.overwrite)
+    try:
+        prompts = load_prompts(args.prompts, args.limit)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError("--prompts", str(e)) from None
+    if not prompts:
+        raise UsageError("--prompts", f"{args.prompts} holds no prompts")
+    device = _torch_device(args.device)
+    if device is None:
+        import torch
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+    from .train.drafter_eval import evaluate_drafters, format_table
+
+    try:
+        rep = evaluate_drafters(target, drafts, prompts, temperatures=args.temperatures, budgets=args.budgets,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed, output_dir=out,
+                                cache_dir=args.cache_dir, chat_template=not args.no_chat_template,
+                                batch_size=args.batch_size, device=device, progress=not args.no_progress,
+                                command=shlex.join([PROG, *argv]))
+    except (FileNotFoundError, ValueError) as e:
+        msg = str(e)
+        head = msg.split(":", 1)[0].split(" ", 1)[0]
+        arg = {"prompts": "--prompts", "target": "--target", "draft": "--draft", "budgets": "--budgets",
+               "temperatures": "--temperatures", "max_new_tokens": "--max-new-tokens"}.get(head, "--prompts")
+        raise UsageError(arg, _strip_name(msg)) from None
+    print(format_table(rep))
+    print(f"[{PROG}] wrote {out / 'results.json'}, table.txt, exit_mass_by_depth.png "
+          f"(continuations: {rep['generate_s']:.1f} s, scoring: {rep['score_s']:.1f} s)", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def _stdout_gone() -> int:
@@ -616,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "eval-drafter":
+            return cmd_eval_drafter(args, argv)
         return cmd_bench(args, argv)
     except UsageError as e:
         try:

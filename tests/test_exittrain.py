@@ -115,6 +115,93 @@ def test_exit_and_prefix_weights_sums_root_horizon_and_no_grad():
         exit_weights(tree, probs[:, :3], "exit")
 
 
+def _independent_weights(parents, tokens, probs, mode):
+    """Per-node weights of one tree from an enumeration of target continuations (float64, no
+    library code): w(v) = mass exiting at v, P(v) = product of edge probabilities on the path."""
+    import numpy as np
+    from exact_law import enumerate_exit_law
+
+    n = len(parents)
+    w = enumerate_exit_law(parents, tokens, probs).sum(1)
+    P, depth = np.ones(n), np.zeros(n, dtype=int)
+    for v in range(1, n):
+        P[v] = P[parents[v]] * probs[parents[v], tokens[v]]
+        depth[v] = depth[parents[v]] + 1
+    reach = P[1:].sum()   # no node reached (possible under the greedy law): nothing to rescale
+    out = {"exit": w, "reach": P, "exit_depth": w * depth,
+           "prefix": P * (1 - w[0]) / reach if reach > 0 else 0 * P}[mode].copy()
+    out[0] = 0.0
+    return out, depth
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+@pytest.mark.parametrize("mode", ["exit", "prefix", "reach", "exit_depth"])
+def test_each_weight_mode_and_temperature_against_enumerated_trees_values_and_grads(mode, temperature):
+    import numpy as np
+    from exact_law import random_tree, stack_trees
+    from sglang_tev.train.exit import target_law
+
+    rng = np.random.default_rng(7)
+    Vs, width = 6, 9
+    trees = [random_tree(rng, n, Vs) for n in (9, 6, 1, 8)]
+    tree = stack_trees(trees, width)
+    H = tree.max_depth
+    logits = torch.from_numpy(rng.normal(0, 2, (4, width, Vs)))
+    z = torch.from_numpy(rng.normal(0, 1, (4, H, Vs))).requires_grad_()
+    term = exit_loss(z, tree, exit_weights(tree, target_law(logits, temperature), mode))
+    num, den = torch.zeros((), dtype=torch.float64), 0
+    for t, (par, tok) in enumerate(trees):
+        lg = logits[t, : len(par)].numpy()
+        if temperature == 0:
+            probs = np.eye(Vs)[lg.argmax(-1)]
+        else:
+            e = np.exp(lg / temperature - (lg / temperature).max(-1, keepdims=True))
+            probs = e / e.sum(-1, keepdims=True)
+        wts, depth = _independent_weights(par, tok, probs, mode)
+        for v in range(1, len(par)):
+            num = num - float(wts[v]) * torch.log_softmax(z[t, depth[v] - 1], -1)[tok[v]]
+            den += 1
+    assert float(term.denominator) == den
+    torch.testing.assert_close(term.numerator, num, rtol=1e-10, atol=1e-12)
+    g, = torch.autograd.grad(term.numerator, z)
+    g_ref, = torch.autograd.grad(num, z)
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12)
+    assert float(term.numerator) > 0
+
+
+def test_temperature_one_is_the_old_softmax_bit_for_bit(qwen):
+    """``loss.exit.temperature = 1`` (the default) computes exactly what the code computed before
+    the option existed: ``softmax(logits.float())`` into ``exit_law`` for every chunk."""
+    from transformers import DynamicCache
+
+    from sglang_tev.hf.runtime import cache_kwargs
+    from sglang_tev.train.exit import target_law
+
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
+        x = (torch.randn(3, 5, 40) * 4).to(dt)
+        assert torch.equal(target_law(x, 1.0), torch.softmax(x if dt == torch.float64 else x.float(), -1))
+    torch.manual_seed(4)
+    ids = torch.randint(2, V, (2, 24))
+    anchors = torch.tensor([[3, 9, 15], [5, 11, 17]])
+    tree = anchor_trees(torch.randn(6, 3, V), 7, ids.gather(1, anchors).reshape(-1))
+    dec = qwen.get_decoder()
+    with torch.no_grad():
+        cache = DynamicCache()
+        last = dec(input_ids=ids, use_cache=True, **cache_kwargs(dec, cache)).last_hidden_state
+        new = score_trees(kv_reuse_forward(dec, cache), qwen.lm_head, last, tree, anchors, 2, temperature=1.0)
+        parts = [(rows, exit_law(sub, torch.softmax(logits.float(), dim=-1), validate=False))
+                 for rows, sub, logits in iter_tree_logits(kv_reuse_forward(dec, cache), qwen.lm_head, last,
+                                                           tree, anchors, 2)]
+        order = torch.cat([r for r, _ in parts]).argsort()
+        for f in ("P", "rho", "w", "coverage"):
+            old = torch.cat([getattr(law, f) for _, law in parts])[order]
+            assert torch.equal(getattr(new, f), old), f
+        cold = score_trees(kv_reuse_forward(dec, cache), qwen.lm_head, last, tree, anchors, 2, temperature=0.0)
+        assert not torch.equal(cold.w, new.w)
+        with pytest.raises(ValueError, match="temperature"):
+            score_trees(kv_reuse_forward(dec, cache), qwen.lm_head, last, tree, anchors, 2, temperature=-1.0)
+
+
 def test_anchor_trees_are_the_inference_trees_and_invalid_anchors_are_root_only():
     torch.manual_seed(2)
     logits = torch.randn(3, 4, 11)
@@ -241,6 +328,39 @@ def test_exit_term_is_the_only_difference(tiny, exit_straight):
     assert (some.final_dir / "model.safetensors").read_bytes() != a
     prefix = train(exit_cfg(tiny, "ex_prefix", mode="prefix", max_steps=3))
     assert (prefix.final_dir / "model.safetensors").read_bytes() not in (a, (some.final_dir / "model.safetensors").read_bytes())
+
+
+def test_reach_exit_depth_and_greedy_law_train_differently(tiny, exit_straight):
+    some = train(exit_cfg(tiny, "ex_some3", max_steps=2))
+    finals = {(some.final_dir / "model.safetensors").read_bytes()}
+    for name, loss in (("reach", {"mode": "reach"}), ("exit_depth", {"mode": "exit_depth"})):
+        res = train(exit_cfg(tiny, f"ex_{name}", max_steps=2, loss={"exit": {"lambda": 2.0, "budget": 6, **loss}}))
+        assert res.complete and res.last_log["loss_exit"] > 0
+        finals.add((res.final_dir / "model.safetensors").read_bytes())
+    assert len(finals) == 3
+    # the same step-1 trees (same data, anchors and drafter) weighed under the greedy law instead
+    cold = train(exit_cfg(tiny, "ex_t0", max_steps=1, loss={"exit": {"mode": "exit", "lambda": 2.0, "budget": 6, "temperature": 0.0}}))
+    warm = log_records(some.output_dir)[0]
+    assert cold.last_log["coverage"] != warm["coverage"] and cold.last_log["w_root"] != warm["w_root"]
+    with pytest.raises(ConfigError) as e:
+        load_config(exit_cfg(tiny, "x", loss={"exit": {"mode": "exit", "temperature": -1}}))
+    assert e.value.key == "loss.exit.temperature"
+    with pytest.raises(ConfigError, match="exit_depth") as e:
+        load_config(exit_cfg(tiny, "x", loss={"exit": {"mode": "bogus"}}))
+
+
+def test_checkpoint_written_before_the_temperature_key_resumes_at_its_default(tiny, exit_straight):
+    out = tiny / "ex_old_ckpt"
+    shutil.copytree(exit_straight.output_dir, out)
+    for _, ck in __import__("sglang_tev.train.trainer", fromlist=["x"]).checkpoint_dirs(out):
+        st = torch.load(ck / "trainer_state.pt", weights_only=False)
+        del st["fingerprint"]["loss.exit.temperature"]     # as written before the key existed
+        torch.save(st, ck / "trainer_state.pt")
+    assert Trainer(load_config(exit_cfg(tiny, "ex_old_ckpt", max_steps=6))).step == 6
+    with pytest.raises(ConfigError) as e:
+        Trainer(load_config(exit_cfg(tiny, "ex_old_ckpt", max_steps=6,
+                                     loss={"exit": {"mode": "exit", "lambda": 2.0, "budget": 6, "temperature": 0.5}})))
+    assert e.value.key == "loss.exit.temperature"
 
 
 def test_exit_resume_is_bit_identical(tiny, exit_straight):
@@ -419,6 +539,13 @@ def test_rollout_prompt_files_bad_rows_name_the_key(code_target, tmp_path):
         read_prompts(tmp_path / "none.jsonl", tok)
     p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["a", "", "b", "c"]))
     assert [t for t, _ in read_prompts(p, tok, limit=2)] == ["a", "b"]
+    # pre-tokenized rows (eval-drafter writes them): used as they are
+    p.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": []}\n{"prompt": "a"}\n')
+    assert [ids for _, ids in read_prompts(p, tok)] == [[5, 6, 7], tok("a", add_special_tokens=False)["input_ids"]]
+    for bad in ('{"prompt_ids": [1, -2]}', '{"prompt_ids": "12"}', '{"prompt_ids": [1], "prompt": "x"}'):
+        p.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="^rollout.prompts: line 1"):
+            read_prompts(p, tok)
 
 
 def test_train_on_rollouts_end_to_end(tmp_path):

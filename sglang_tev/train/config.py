@@ -94,15 +94,21 @@ class DraftArchConfig:
 class ExitLossConfig:
     """ExitTrain's tree term (DESIGN §6, paper Eq. 14-15): ``loss += lambda * L_exit``.
 
-    ``mode``: ``none`` (dense loss only), ``exit`` (weights w(v) = P(v)·rho(v), the paper) or
-    ``prefix`` (reachability control: P(v) rescaled to the exit weights' total). ``budget``: the
-    inference tree budget B the trees are built with (paper: 64). ``include_horizon_leaves``: keep
-    the nodes at the maximum draft depth (the paper's default). ``anchors_per_forward``: anchors
-    whose trees share one target tree forward (null: as many as keep the mask under 256 MiB).
+    ``mode``: ``none`` (dense loss only), ``exit`` (weights w(v) = P(v)·rho(v), the paper),
+    ``prefix`` (the paper's reachability control: P(v) rescaled to the exit weights' total),
+    ``reach`` (plain P(v): the reference recipes' ``P_tgt``) or ``exit_depth``
+    (P(v)·rho(v)·depth(v): the reference code's ``exit`` option). ``lambda``: λ_exit (the paper
+    states no value; 0.1 is the reference recipes'). ``temperature``: of the target law the
+    weights are computed from (1.0 as the reference code; the paper does not state it; < 1e-5:
+    the greedy one-hot law). ``budget``: the inference tree budget B the trees are built with (paper: 64).
+    ``include_horizon_leaves``: keep the nodes at the maximum draft depth (the paper's default).
+    ``anchors_per_forward``: anchors whose trees share one target tree forward (null: as many as
+    keep the mask under 256 MiB).
     """
 
-    mode: Literal["none", "exit", "prefix"] = _f("none")
+    mode: Literal["none", "exit", "prefix", "reach", "exit_depth"] = _f("none")
     lambda_: float = _f(0.1, key="lambda", check=_ge(0.0))
+    temperature: float = _f(1.0, check=_ge(0.0))
     budget: int = _f(64, check=lambda v: None if 1 <= v <= 1024 else f"must be in [1, 1024] (the runtime's "
                                                                      f"largest budget), got {v!r}")
     include_horizon_leaves: bool = _f(True)
@@ -180,6 +186,10 @@ class TrainConfig:
     eval_every: int = _f(0, check=_ge(0))
     eval_windows: int = _f(32, check=_ge(1))
     eval_stride: int = _f(4, check=_ge(1))
+    eval_budget: int | None = _f(64, check=lambda v: None if 0 <= v <= 1024 else f"must be in [0, 1024], got {v!r}",
+                                 doc="DDTree budget of the evaluation's expected block length 1 + C_p (null: off)")
+    eval_temperatures: list[float] = _f(factory=lambda: [0.0, 1.0],
+                                        doc="target temperatures of the evaluation's 1 + C_p")
     log_every: int = _f(1, check=_ge(1))
     dtype: Literal["auto", "float32", "bfloat16"] = _f("auto")
     device: str = _f("auto", check=_device)
@@ -207,6 +217,8 @@ class TrainConfig:
                 raise ConfigError("draft.target_layer_ids",
                                   f"must be a non-empty list of ints >= 0, got "
                                   f"{self.draft.target_layer_ids!r}")
+        if any(t < 0 for t in self.eval_temperatures):
+            raise ConfigError("eval_temperatures", f"must be numbers >= 0, got {self.eval_temperatures!r}")
         if self.loss.token_weight == 0 and self.loss.distill_weight == 0:
             raise ConfigError("loss", "token_weight and distill_weight are both 0: nothing to train")
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):

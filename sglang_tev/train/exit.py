@@ -9,10 +9,17 @@ Per step, for the anchors ``a`` of a batch (the block root is ``x_a``, as at inf
    sequence forward: every non-root node is an extra query row at position ``a + depth(v)`` that
    sees ``x[0..a]`` and its tree ancestors (itself included); the root's row is the sequence's own
    row at ``a``. Returns the canonical exit law (:func:`sglang_tev.tree.exit_law`) of every tree
-   under the target law at temperature 1, never a ``[trees, N, V]`` tensor of all anchors at once;
+   under the target law (temperature 1 unless ``loss.exit.temperature`` says otherwise), never a
+   ``[trees, N, V]`` tensor of all anchors at once;
 3. :func:`exit_weights` / :func:`weights_from_law` — the detached per-node weights of
-   :func:`sglang_tev.train.losses.exit_loss` (``exit``: ``w(v) = P(v)·rho(v)``; ``prefix``:
-   reachability ``P(v)`` rescaled to the same total).
+   :func:`sglang_tev.train.losses.exit_loss` (``exit``: ``w(v) = P(v)·rho(v)``, the paper's;
+   ``prefix``: reachability ``P(v)`` rescaled to the same total, the paper's §6.2 control;
+   ``reach``: plain ``P(v)``, the reference recipes' ``P_tgt``; ``exit_depth``:
+   ``P(v)·rho(v)·depth(v)``, the reference code's ``exit`` option).
+
+The target law the weights are computed from is the target's softmax at ``temperature``
+(:func:`target_law`; 1.0 by default, as the reference code — the paper does not state it; below
+1e-5 the greedy one-hot law).
 
 The tree code is the core's (``build_ddtree``, ``exit_law``, ``DraftTree.ancestor_mask``).
 Letters: b sequences, S tokens, n anchors per sequence, T = b·n trees, N = 1 + budget nodes,
@@ -29,11 +36,36 @@ import torch
 from ..draft.ddtree import build_ddtree
 from ..tree import DraftTree, ExitLaw, additive_mask, exit_law
 
-__all__ = ["EXIT_MODES", "exit_weights", "weights_from_law", "anchor_trees", "take_trees",
+__all__ = ["EXIT_MODES", "target_law", "exit_weights", "weights_from_law", "anchor_trees", "take_trees",
            "tree_query_mask", "kv_reuse_forward", "iter_tree_logits", "score_trees",
            "check_tree_support", "default_anchors_per_forward"]
 
-EXIT_MODES = ("exit", "prefix")
+EXIT_MODES = ("exit", "prefix", "reach", "exit_depth")
+
+
+def target_law(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The target law ExitTrain's weights (and ``eval-drafter``'s metric) are computed from.
+
+    Args:
+        logits: float [..., V] target logits (upcast to float32; float64 stays float64).
+        temperature: >= 0. 1.0 is ``softmax(logits)`` exactly as computed before this option
+            existed (bit for bit); any other value is the runtime's processed law
+            (:func:`sglang_tev.sampling.processed_probs`): ``softmax(logits / T)``, and below 1e-5
+            the greedy one-hot law at the argmax (ties: lowest id).
+    Returns:
+        probs [..., V], float32 (float64 for float64 logits).
+    Raises:
+        ValueError naming ``temperature`` when it is negative or not finite.
+    """
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if temperature == 1.0:
+        return torch.softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    from ..sampling import SamplingParams, processed_probs
+
+    flat = logits.reshape(-1, logits.shape[-1])
+    return processed_probs(flat, SamplingParams(temperature=float(temperature))).view(logits.shape)
 
 
 def weights_from_law(tree: DraftTree, law: ExitLaw, mode: str, include_horizon_leaves: bool = True,
@@ -43,9 +75,12 @@ def weights_from_law(tree: DraftTree, law: ExitLaw, mode: str, include_horizon_l
     Args:
         tree: the draft trees (N nodes).
         law: ``exit_law(tree, p)``.
-        mode: ``"exit"``: ``w(v)`` (paper Eq. 14); ``"prefix"``: the reachability control of
-            §6.2, ``P(v)`` rescaled per tree so that it sums to what the exit weights sum to over
-            the same nodes — ``(1 - w(root)) / C_p`` with every node included.
+        mode: ``"exit"``: ``w(v) = P(v)·rho(v)`` (paper Eq. 14); ``"prefix"``: the reachability
+            control of §6.2, ``P(v)`` rescaled per tree so that it sums to what the exit weights
+            sum to over the same nodes — ``(1 - w(root)) / C_p`` with every node included;
+            ``"reach"``: plain ``P(v)`` (the reference recipes' ``dted_weight_type: P_tgt``,
+            without their 1e-4 floor on each edge probability); ``"exit_depth"``:
+            ``P(v)·rho(v)·depth(v)`` (the reference code's ``exit`` weight type).
         include_horizon_leaves: False zeroes the nodes at depth ``horizon`` (hard-horizon leaves,
             where ``rho = 1`` makes ``w = P``: "deep reach" credit rather than missing coverage).
         horizon: the maximum draft depth H; required when ``include_horizon_leaves`` is False.
@@ -65,7 +100,11 @@ def weights_from_law(tree: DraftTree, law: ExitLaw, mode: str, include_horizon_l
     w = torch.where(keep, law.w, zero).detach()
     if mode == "exit":
         return w
+    if mode == "exit_depth":
+        return w * tree.depth.to(w.dtype)
     P = torch.where(keep, law.P, zero).detach()
+    if mode == "reach":
+        return P
     p_sum, w_sum = P.sum(1, keepdim=True), w.sum(1, keepdim=True)
     scale = torch.where(p_sum > 0, w_sum / torch.where(p_sum > 0, p_sum, torch.ones_like(p_sum)), zero[:, :1])
     return P * scale
@@ -77,12 +116,14 @@ def exit_weights(tree: DraftTree, target_probs: torch.Tensor, mode: str, include
 
     Args:
         tree: the draft trees, N nodes (node 0 the root).
-        target_probs: float [b, N, V], the target law at every node (ExitTrain uses temperature 1).
+        target_probs: float [b, N, V], the target law at every node (:func:`target_law`).
         mode, include_horizon_leaves, horizon: as :func:`weights_from_law`.
     Returns:
         float [b, N] (float64 for float64 input, else float32), no grad. The root's weight is 0
         (it has no incoming draft edge); ``exit`` weights over non-root nodes sum to
-        ``1 - w(root)``, ``prefix`` weights to the same total.
+        ``1 - w(root)``, ``prefix`` weights to the same total, ``reach`` weights to ``C_p`` and
+        ``exit_depth`` weights to ``C_p`` as well (``Σ_v w(v)·depth(v) = C_p``, Eq. 6) when the
+        horizon leaves are included.
     Raises:
         ValueError naming the argument (``target_probs`` shape/device, ``mode``, ``horizon``).
     """
@@ -240,15 +281,18 @@ def iter_tree_logits(
 
 @torch.no_grad()
 def score_trees(forward_rows, lm_head, last_hidden: torch.Tensor, tree: DraftTree, anchors: torch.Tensor,
-                anchors_per_forward: int | None = None, mask_dtype: torch.dtype = torch.float32) -> ExitLaw:
-    """Exit law of every anchor's tree under the frozen target at temperature 1 (paper §5).
+                anchors_per_forward: int | None = None, mask_dtype: torch.dtype = torch.float32,
+                temperature: float = 1.0) -> ExitLaw:
+    """Exit law of every anchor's tree under the frozen target (paper §5).
 
-    Arguments as :func:`iter_tree_logits`; the law of each chunk is computed as soon as its
-    logits exist (``exit_law`` on softmax in float32), so at most one chunk's ``[b*c, N, V]``
-    is alive. Returns :class:`ExitLaw` with [T, N] tensors (coverage [T]), T = b·n, row order of
-    ``tree``.
+    Arguments as :func:`iter_tree_logits`; ``temperature``: the target law's, as
+    :func:`target_law` (1.0: softmax in float32, the reference code's law). The
+    law of each chunk is computed as soon as its logits exist, so at most one chunk's
+    ``[b*c, N, V]`` is alive. Returns :class:`ExitLaw` with [T, N] tensors (coverage [T]),
+    T = b·n, row order of ``tree``. Raises ``ValueError`` naming ``temperature``.
     """
-    parts = [(rows, exit_law(sub, torch.softmax(logits.float(), dim=-1), validate=False))
+    target_law(torch.zeros(1, 1), temperature)  # checks it before any forward
+    parts = [(rows, exit_law(sub, target_law(logits.float(), temperature), validate=False))
              for rows, sub, logits in iter_tree_logits(forward_rows, lm_head, last_hidden, tree, anchors,
                                                        anchors_per_forward, mask_dtype)]
     order = torch.cat([r for r, _ in parts]).argsort()

@@ -10,8 +10,9 @@ settings is refused. Training then reads the cache as ``prompt_ids`` + ``respons
 (:mod:`.data`): only response tokens are supervised.
 
 Prompt rows: ``{"messages": [{role, content}, ...]}`` (rendered with the tokenizer's chat
-template and its generation prompt) or ``{"prompt": "..."}`` (rendered with the chat template
-when ``chat_template`` is true and the tokenizer has one, else used as raw text).
+template and its generation prompt), ``{"prompt": "..."}`` (rendered with the chat template
+when ``chat_template`` is true and the tokenizer has one, else used as raw text) or
+``{"prompt_ids": [...]}`` (token ids, used as they are).
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ KEY = "rollout.prompts"
 
 def _usable(row: Any, lineno: int, path: Path) -> bool:
     """Structural check of one prompt row; raises for a malformed row, False for an empty one."""
-    if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+    if not isinstance(row, dict) or sum(k in row for k in ("prompt", "messages", "prompt_ids")) != 1:
         raise ValueError(f"{KEY}: line {lineno} of {path} must be an object with exactly one of "
-                         "'prompt' or 'messages'")
+                         "'prompt', 'messages' or 'prompt_ids'")
+    if "prompt_ids" in row:
+        ids = row["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids):
+            raise ValueError(f"{KEY}: line {lineno}: 'prompt_ids' must be a list of token ids (ints >= 0)")
+        return bool(ids)
     if "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise ValueError(f"{KEY}: line {lineno}: 'prompt' must be a string")
@@ -77,6 +84,11 @@ def read_prompts(path: str | os.PathLike, tokenizer, chat_template: bool = True,
     out = []
     for lineno, row in jsonl_rows(p, KEY):
         if not _usable(row, lineno, p):
+            continue
+        if "prompt_ids" in row:  # already tokenized (``eval-drafter`` writes these)
+            out.append((tokenizer.decode(row["prompt_ids"]), list(row["prompt_ids"])))
+            if limit is not None and len(out) >= limit:
+                break
             continue
         if "messages" in row:
             if not has_template:

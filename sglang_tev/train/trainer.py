@@ -55,8 +55,8 @@ STATE_VERSION = 1
 # Config keys that do not change what is computed: excluded from the resume fingerprint.
 _RUN_CONTROL_KEYS = frozenset({
     "output_dir", "resume", "save_every", "keep_checkpoints", "eval_every", "eval_data",
-    "eval_windows", "eval_stride", "log_every", "progress", "tensorboard", "threads",
-    "allow_thread_change", "export_dtype", "stop_at_step", "device",
+    "eval_windows", "eval_stride", "eval_budget", "eval_temperatures", "log_every", "progress",
+    "tensorboard", "threads", "allow_thread_change", "export_dtype", "stop_at_step", "device",
 })
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -331,6 +331,32 @@ def _fingerprint(cfg: TrainConfig) -> dict:
     return _flatten({k: v for k, v in config_to_dict(cfg).items() if k not in _RUN_CONTROL_KEYS})
 
 
+def _schema_default(dotted: str) -> Any:
+    """The schema default of a dotted config key (``loss.exit.temperature`` -> 1.0); a sentinel
+    object (equal to nothing) for a required or unknown key."""
+    import dataclasses
+
+    from .config import _key_of
+
+    cls, parts = TrainConfig, dotted.split(".")
+    for i, part in enumerate(parts):
+        f = next((f for f in dataclasses.fields(cls) if _key_of(f) == part), None)
+        if f is None:
+            return object()
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            return object()
+        if i == len(parts) - 1:
+            return value
+        if not dataclasses.is_dataclass(value):
+            return object()
+        cls = type(value)
+    return object()
+
+
 def _truncate_log(path: Path, step: int) -> None:
     """Drop log lines past ``step`` (a killed run may have logged beyond its last checkpoint)."""
     if not path.exists():
@@ -398,14 +424,19 @@ class _ForwardTrain(torch.nn.Module):
 def evaluate(draft: DFlashDraftModel, target, data: TokenDataset, *, block_size: int | None = None,
              stride: int = 4, max_windows: int | None = None, batch_size: int = 4,
              sep_ids: Sequence[int] = (), device: torch.device | None = None,
-             autocast_dtype: torch.dtype | None = None) -> dict:
-    """Held-out per-depth top-1 accuracy and CE of a drafter against its target's data.
+             autocast_dtype: torch.dtype | None = None, exit_budget: int | None = None,
+             temperatures: Sequence[float] = (0.0, 1.0)) -> dict:
+    """Held-out per-depth top-1 accuracy and CE of a drafter against its target's data, and the
+    expected block length ``1 + C_p`` of its trees there (the metric of ``sglang-tev eval-drafter``).
 
     Deterministic anchors: every valid position ``a`` (rule of :mod:`.data`) with
     ``(a - 1) % stride == 0``, in the first ``max_windows`` samples spread evenly over ``data``
     (all when None). Returns :func:`~.losses.stats_to_metrics`: ``acc``/``ce`` lists for depths
     1..K-1 (CE in nats), ``acc_mean``, ``ce_mean``, ``anchors``, ``accept_len_data``, plus
-    ``windows`` and ``tokens``.
+    ``windows`` and ``tokens``. With ``exit_budget`` (a DDTree budget B), also, per temperature T
+    of ``temperatures``: ``block_len_T<T>`` (mean ``1 + C_p`` of the drafter's budget-B tree at
+    those anchors under the target's law at T, :func:`.drafter_eval.exit_breakdown`) and
+    ``w_root_T<T>`` (mean exit mass at the root); keys like ``block_len_T0``, ``block_len_T1``.
     """
     K = block_size or draft.config.block_size
     device = device or next(draft.parameters()).device
@@ -419,6 +450,8 @@ def evaluate(draft: DFlashDraftModel, target, data: TokenDataset, *, block_size:
     draft.eval()
     total = None
     tokens = 0
+    temps = [float(t) for t in temperatures] if exit_budget is not None else []
+    tree_sums = torch.zeros(len(temps), 2, dtype=torch.float64)
     amp = dict(device_type=device.type, dtype=autocast_dtype or torch.bfloat16,
                enabled=autocast_dtype is not None)
     for start in range(0, len(idx), batch_size):
@@ -431,18 +464,41 @@ def evaluate(draft: DFlashDraftModel, target, data: TokenDataset, *, block_size:
         if anchors.shape[1] == 0:
             continue
         keep = valid.gather(1, anchors)
+        cache = None
+        if temps:
+            from transformers import DynamicCache
+            cache = DynamicCache()
         with torch.autocast(**amp):
-            hs = decoder(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            feats = extract_context_features(hs, draft.config.target_layer_ids)
+            out = decoder(input_ids=ids, output_hidden_states=True, use_cache=cache is not None,
+                          **(cache_kwargs(decoder, cache) if cache is not None else {}))
+            feats = extract_context_features(out.hidden_states, draft.config.target_layer_ids)
             logits, labels = block_logits(draft.forward_train, embed, head, feats, ids, anchors,
                                           keep, K, draft.config.mask_token_id)
         st = depth_stats(logits, labels, keep)
         total = st if total is None else total + st
+        if temps and bool(keep.any()):
+            from .drafter_eval import exit_breakdown, laws_by_temperature
+
+            kept = keep.reshape(-1)
+            tree = anchor_trees(logits.reshape(-1, K - 1, logits.shape[-1]), exit_budget,
+                                ids.gather(1, anchors).reshape(-1), kept)
+            mask_dtype = autocast_dtype or next(target.parameters()).dtype
+            with torch.autocast(**amp):
+                laws = laws_by_temperature(kv_reuse_forward(decoder, cache), head, out.last_hidden_state, tree,
+                                           anchors, temps, mask_dtype=mask_dtype)
+            for i, law in enumerate(laws):
+                br = exit_breakdown(tree, law, K - 1)
+                tree_sums[i, 0] += br.block_len[kept].sum().cpu()
+                tree_sums[i, 1] += br.w_root[kept].sum().cpu()
     draft.train(was_training)
     if total is None:
         raise ValueError(f"data: {data.source} has no valid anchor for block size {K}")
     out = stats_to_metrics(total)
     out.update(windows=len(idx), tokens=tokens)
+    for i, t in enumerate(temps):
+        a = out["anchors"]
+        out[f"block_len_T{t:g}"] = float(tree_sums[i, 0]) / a if a else math.nan
+        out[f"w_root_T{t:g}"] = float(tree_sums[i, 1]) / a if a else math.nan
     return out
 
 
@@ -521,6 +577,11 @@ class Trainer:
                 check_tree_support(self.target)
             except ValueError as e:
                 raise ConfigError("loss.exit.mode", str(e)) from None
+        if self.eval_data is not None and cfg.eval_budget is not None:
+            try:
+                check_tree_support(self.target)
+            except ValueError as e:
+                raise ConfigError("eval_budget", f"{e} (or eval_budget=null: no block-length evaluation)") from None
         self.embed = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self.decoder = self.target.get_decoder()
@@ -634,7 +695,9 @@ class Trainer:
             raise ValueError(f"resume: {path} has trainer state version {st.get('version')}, "
                              f"expected {STATE_VERSION}")
         mine, theirs = _fingerprint(self.cfg), _flatten(st["fingerprint"])
-        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        # a key added after the checkpoint was written computes what it did then at its default
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)
+                      and not (k not in theirs and mine.get(k) == _schema_default(k)))
         world0, world = int(st["world_size"]), self.dist.world_size
         batch0, global_ = int(theirs["batch_size"]), self.cfg.batch_size * world
         if world0 != world:  # the per-rank batch follows the world size; the global one is checked
@@ -716,7 +779,7 @@ class Trainer:
         mask_dtype = self.amp_dtype or next(self.target.parameters()).dtype
         with torch.no_grad(), torch.autocast(**amp):
             law = score_trees(kv_reuse_forward(self.decoder, seq_cache), self.lm_head, last_hidden, tree, anchors,
-                              ecfg.anchors_per_forward, mask_dtype)
+                              ecfg.anchors_per_forward, mask_dtype, temperature=ecfg.temperature)
         times["tree_forward"] = time.perf_counter() - t
         weights = weights_from_law(tree, law, ecfg.mode, ecfg.include_horizon_leaves, horizon=H)
         kept = keep.reshape(-1)
@@ -858,6 +921,9 @@ class Trainer:
                             tb.add_scalar("eval/ce_mean", last_eval["ce_mean"], self.step)
                             tb.add_scalar("eval/acc_mean", last_eval["acc_mean"], self.step)
                             tb.add_scalar("eval/accept_len_data", last_eval["accept_len_data"], self.step)
+                            for k, v in last_eval.items():
+                                if k.startswith("block_len_"):
+                                    tb.add_scalar(f"eval/{k}", v, self.step)
                     if self.step % cfg.save_every == 0 or self.step == stop:
                         self._save()
                         saved_at = self.step
@@ -890,7 +956,8 @@ class Trainer:
         return evaluate(self.draft, self.target, self.eval_data, block_size=self.block_size,
                         stride=self.cfg.eval_stride, max_windows=self.cfg.eval_windows,
                         batch_size=self.cfg.batch_size, sep_ids=self.sep_ids, device=self.device,
-                        autocast_dtype=self.amp_dtype)
+                        autocast_dtype=self.amp_dtype, exit_budget=self.cfg.eval_budget,
+                        temperatures=self.cfg.eval_temperatures)
 
     def close(self) -> None:
         if self.dist.initialized_here:
