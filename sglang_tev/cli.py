@@ -55,6 +55,12 @@ class UsageError(Exception):
         self.arg = arg
 
 
+def _at_least(flag: str, value: int, low: int) -> None:
+    """Raise :class:`UsageError` naming ``flag`` unless ``value >= low``."""
+    if value < low:
+        raise UsageError(flag, f"must be >= {low}, got {value}")
+
+
 def default_model_paths() -> tuple[Path, Path]:
     """(target, draft) of the shipped pair, ``sglang_tev/assets/tiny-code/{target,draft}``.
 
@@ -401,8 +407,7 @@ def _check_generate_args(args) -> None:
         raise UsageError("PROMPT", "the prompt is empty")
     if "-" in args.more_prompts or (args.prompt == "-" and args.more_prompts):
         raise UsageError("PROMPT", "'-' (stdin) must be the only PROMPT")
-    if args.budget < 0:
-        raise UsageError("--budget", f"must be >= 0, got {args.budget}")
+    _at_least("--budget", args.budget, 0)
     if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
         raise UsageError("--repetition-penalty", f"must be a finite number > 0, got {args.repetition_penalty}")
     for flag, v in (("--frequency-penalty", args.frequency_penalty), ("--presence-penalty", args.presence_penalty)):
@@ -411,8 +416,7 @@ def _check_generate_args(args) -> None:
     if args.budget > MAX_BUDGET:
         raise UsageError("--budget", f"must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) "
                                      f"candidates), got {args.budget}")
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    _at_least("--max-new-tokens", args.max_new_tokens, 1)
     if not (args.temperature >= 0) or math.isinf(args.temperature):
         raise UsageError("--temperature", f"must be a finite number >= 0, got {args.temperature}")
     if not (0 < args.top_p <= 1):
@@ -571,12 +575,10 @@ def cmd_bench(args, argv: list[str]) -> int:
     from .hf.bench import format_table, run_bench
     from .hf.datasets import load_prompts
 
-    if args.limit is not None and args.limit < 1:
-        raise UsageError("--limit", f"must be >= 1, got {args.limit}")
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
-    if args.repeats < 1:
-        raise UsageError("--repeats", f"must be >= 1, got {args.repeats}")
+    if args.limit is not None:
+        _at_least("--limit", args.limit, 1)
+    _at_least("--max-new-tokens", args.max_new_tokens, 1)
+    _at_least("--repeats", args.repeats, 1)
     if any(b > MAX_BUDGET for b in args.budgets):
         raise UsageError("--budgets", f"budgets must be <= {MAX_BUDGET}, got {args.budgets}")
     if not args.budgets and any(m in VERIFIERS for m in args.methods):
@@ -643,14 +645,11 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
     """``sglang-tev eval-drafter``: :func:`sglang_tev.train.drafter_eval.evaluate_drafters`."""
     from .hf.datasets import load_prompts
 
-    if args.limit is not None and args.limit < 1:
-        raise UsageError("--limit", f"must be >= 1, got {args.limit}")
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
-    if args.batch_size < 1:
-        raise UsageError("--batch-size", f"must be >= 1, got {args.batch_size}")
-    if args.seed < 0:
-        raise UsageError("--seed", f"must be >= 0, got {args.seed}")
+    if args.limit is not None:
+        _at_least("--limit", args.limit, 1)
+    _at_least("--max-new-tokens", args.max_new_tokens, 1)
+    _at_least("--batch-size", args.batch_size, 1)
+    _at_least("--seed", args.seed, 0)
     if not args.budgets or any(not 0 <= b <= MAX_BUDGET for b in args.budgets):
         raise UsageError("--budgets", f"give budgets in [0, {MAX_BUDGET}], got {args.budgets}")
     if not args.temperatures or any(not (t >= 0) or math.isinf(t) for t in args.temperatures):
