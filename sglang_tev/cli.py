@@ -480,7 +480,7 @@ def _cmd_generate_batch(args, file_prompts: list) -> int:
     ``--batch-size`` rows; stdout: one JSON line per prompt in input order ({"index", "id", "text",
     "token_ids", "new_tokens", "rounds", "tau", "finish_reason"}); one summary line on stderr."""
     from .hf.datasets import Prompt, encode_prompt
-    from .sampling import SamplingParams
+    from .sampling import GREEDY_EPS, SamplingParams
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError("--batch-size", f"must be >= 1, got {args.batch_size}")
@@ -574,6 +574,7 @@ def cmd_generate(args) -> int:
 def cmd_bench(args, argv: list[str]) -> int:
     from .hf.bench import format_table, run_bench
     from .hf.datasets import load_prompts
+    from .sampling import GREEDY_EPS
 
     if args.limit is not None:
         _at_least("--limit", args.limit, 1)
@@ -592,6 +593,10 @@ def cmd_bench(args, argv: list[str]) -> int:
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         raise UsageError("--methods", f"unknown {bad}; choose from {','.join(METHODS)}")
+    if "greedy" in args.methods and any(t >= GREEDY_EPS for t in args.temperatures):
+        raise UsageError("--methods", "'greedy' is exact only at temperature 0; drop it or use --temperatures 0")
+    if args.batch_sizes is not None and (not args.batch_sizes or any(b < 1 for b in args.batch_sizes)):
+        raise UsageError("--batch-sizes", f"must be integers >= 1, got {args.batch_sizes}")
     out = Path(args.output) if args.output else \
         Path("bench-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     if out.exists() and not out.is_dir():

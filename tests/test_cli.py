@@ -416,3 +416,16 @@ def test_cheap_checks_run_before_any_model_load(capsys, tmp_path, pair, no_model
 def test_penalty_errors_name_their_flag(capsys, pair, args, flag):
     rc, out, err = run_cli(capsys, pair, *args, "x")
     assert rc == 2 and out == "" and f"argument {flag}:" in err and "PROMPT" not in err
+
+
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        (["--batch-sizes", "0"], "argument --batch-sizes: must be integers >= 1, got [0]"),
+        (["--methods", "greedy", "--temperatures", "1"], "argument --methods: 'greedy' is exact only at temperature 0"),
+    ],
+)
+def test_bench_checks_run_before_any_model_load(capsys, no_model_load, extra, says):
+    rc = main(["bench", "--dataset", "humaneval", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and says in err, err

@@ -124,7 +124,9 @@ def test_served_options_pass_admission():
 
 def test_cpu_device_takes_the_torch_reference_backend():
     sa = args(device="cpu", attention_backend=None, _raw_input={"attention_backend": None})
-    resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={})
+    with pytest.raises(ValueError, match="--device cpu runs on SGLang's CPU engine: set SGLANG_USE_CPU_ENGINE=1"):
+        resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={})
+    resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={"SGLANG_USE_CPU_ENGINE": "1"})
     assert sa.attention_backend == "tev_cpu" and sa.speculative_draft_attention_backend == "tev_cpu"
 
 

@@ -174,7 +174,7 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
 
     Raises:
         ValueError naming the flag or variable: a bad ``SGLANG_TEV_*`` value; a device other than
-        ``cuda`` / ``cpu``; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
+        ``cuda`` / ``cpu``; ``--device cpu`` without ``SGLANG_USE_CPU_ENGINE=1``; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
         a tree size N outside [2, 1024]; an explicitly chosen attention backend (target prefill /
         decode or draft) that the device does not pair with in :data:`SUPPORTED_DEVICE_BACKENDS`
         (the message lists the accepted combinations); explicit decode CUDA graphs
@@ -216,6 +216,12 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
                 f"TEV: {flag} {explicit!r} on --device {device_kind}: TEV needs a backend that applies the tree mask "
                 f"on target verify; accepted: {_combinations()}"
             )
+    env = os.environ if environ is None else environ
+    if device_kind == "cpu" and env.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
+        raise ValueError(
+            "TEV: --device cpu runs on SGLang's CPU engine: set SGLANG_USE_CPU_ENGINE=1, with sgl-kernel's CPU build "
+            "installed (it needs a CPU with AVX-512/AMX; see docs/sglang.md, 'SGLang on a CPU')"
+        )
     graph = _raw(sa, "cuda_graph_backend_decode")
     if graph is not None and str(graph) != "disabled":
         raise ValueError(

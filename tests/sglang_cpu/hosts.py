@@ -121,6 +121,18 @@ class EngineHost:
             except Exception:
                 self.proc.kill()
         _kill(children)  # SGLang's scheduler / detokenizer, if the shutdown left any
+        _remove(self.log)
+
+
+def _remove(log) -> None:
+    """Delete a host's log (failures quote its tail in their message; ``SGLANG_TEV_KEEP_LOGS=1``
+    keeps it)."""
+    log.close()
+    if os.environ.get("SGLANG_TEV_KEEP_LOGS") != "1":
+        try:
+            os.unlink(log.name)
+        except FileNotFoundError:
+            pass
 
 
 def _children(pid: int) -> list:
@@ -238,6 +250,7 @@ class ServerHost:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         _kill(children)
+        _remove(self.log)
 
 
 def require_sglang():
