@@ -599,14 +599,7 @@ def cmd_bench(args, argv: list[str]) -> int:
         raise UsageError("--batch-sizes", f"must be integers >= 1, got {args.batch_sizes}")
     out = Path(args.output) if args.output else \
         Path("bench-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    if out.exists() and not out.is_dir():
-        raise UsageError("--output", f"{out} exists and is not a directory")
-    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise UsageError("--output", f"cannot create {out}: {blocker} is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise UsageError("--output", f"{out} exists and is not empty (results of an earlier run?); "
-                                     "choose another --output or pass --overwrite")
+    _check_output_dir(out, args.overwrite)
     target, draft = _model_paths(args)
     try:
         prompts = load_prompts(args.dataset, args.limit)
@@ -635,13 +628,15 @@ def cmd_bench(args, argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------------- eval-drafter
 
-def _check_output_dir(out: Path, overwrite: bool) -> None:
+def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()) -> None:
+    """Refuse an ``--output`` that cannot be a fresh results folder (a file, a file on its path,
+    a non-empty folder without ``--overwrite``; entries named in ``reusable`` do not count)."""
     if out.exists() and not out.is_dir():
         raise UsageError("--output", f"{out} exists and is not a directory")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise UsageError("--output", f"cannot create {out}: {blocker} is not a directory")
-    if out.is_dir() and any(p.name != "continuations" for p in out.iterdir()) and not overwrite:
+    if out.is_dir() and any(p.name not in reusable for p in out.iterdir()) and not overwrite:
         raise UsageError("--output", f"{out} exists and is not empty (results of an earlier run?); "
                                      "choose another --output or pass --overwrite")
 
@@ -677,7 +672,7 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
             raise UsageError(arg, f"no model directory at {os.fspath(path)!r}")
     out = Path(args.output) if args.output else \
         Path("eval-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    _check_output_dir(out, args.overwrite)
+    _check_output_dir(out, args.overwrite, reusable=("continuations",))
     try:
         prompts = load_prompts(args.prompts, args.limit)
     except (FileNotFoundError, ValueError) as e:
