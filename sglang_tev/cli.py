@@ -22,6 +22,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -639,6 +640,13 @@ def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()
     if out.is_dir() and any(p.name not in reusable for p in out.iterdir()) and not overwrite:
         raise UsageError("--output", f"{out} exists and is not empty (results of an earlier run?); "
                                      "choose another --output or pass --overwrite")
+    # probe that the folder can be made, before minutes of model loading (a read-only or
+    # virtual filesystem such as /proc fails only at the first write otherwise); leaves nothing
+    base = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))
+    try:
+        tempfile.TemporaryDirectory(dir=base, prefix=".sglang-tev-probe-").cleanup()
+    except OSError as e:
+        raise UsageError("--output", f"cannot write under {base}: {e.strerror or e}") from None
 
 
 def cmd_eval_drafter(args, argv: list[str]) -> int:
