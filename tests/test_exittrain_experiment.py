@@ -74,3 +74,94 @@ def test_report_from_a_results_json_pairs_arms_per_seed(X, monkeypatch):
     assert d == pytest.approx(100 * (0.2 * 10 + 0.2 * 20 + 0.15 * 30) / (2.0 * 10 + 2.1 * 20 + 1.9 * 30)) and se > 0
     with pytest.raises(ValueError, match="same positions"):
         X.paired(_eval([2.0] * 3)["T0-B64"], _eval([2.0] * 3, positions=(1, 2, 3))["T0-B64"])
+
+
+def test_a_schedule_change_keeps_the_data_stage_until_a_run_is_trained(X, tmp_path):
+    old = json.loads(json.dumps(X.DESIGN))
+    assert X.design_conflict(old, tmp_path) is None
+    sched = dict(old, lr=old["lr"] * 3, loss_decay_gamma=old["loss_decay_gamma"] + 1)
+    assert X.design_conflict(sched, tmp_path) is None                      # nothing trained yet
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "record.json").write_text("[]")               # the shipped drafter's eval is schedule-free
+    assert X.design_conflict(sched, tmp_path) is None
+    (tmp_path / "A-s0").mkdir()
+    (tmp_path / "A-s0" / "record.json").write_text("[]")
+    msg = X.design_conflict(sched, tmp_path)
+    assert "schedule changed" in msg and "loss_decay_gamma" in msg and "lr" in msg and "A-s0" in msg
+    data = dict(old, rollout_temperature=0.5)
+    assert "rollout_temperature" in X.design_conflict(data, tmp_path.parent / "nothing-here")
+    assert set(X.DATA_KEYS) <= set(X.DESIGN) and set(X.LAMBDA_KEYS) <= set(X.DESIGN)
+    assert not set(X.DATA_KEYS) & {"lr", "steps", "token_weight", "distill_weight", "loss_decay_gamma"}
+
+
+def test_the_driver_says_when_it_stopped_at_the_gate(X, tmp_path, monkeypatch, capsys):
+    """A no-go chunk must not report the experiment as complete (chunk 1 did)."""
+    monkeypatch.setattr(X, "data_stage", lambda out, mach: {"lambda": 36.0})
+    monkeypatch.setattr(X, "units", lambda out, lam, ignore: [])
+    monkeypatch.setattr(X, "gate", lambda out: {"T0-B64": {"diff": -1.0, "se": 0.4, "z": -2.5}, "go": False})
+    monkeypatch.setattr(X, "collect", lambda out, results: {})
+    args = type("A", (), {"chunk_minutes": 1, "out": tmp_path, "jobs": 1, "ignore_gate": False,
+                          "segment_steps": 50, "results": tmp_path / "r.json"})()
+    X.chunk(args, {})
+    err = capsys.readouterr().err
+    assert "stopped at the gate" in err and "complete" not in err
+
+
+@pytest.fixture(scope="module")
+def P(X):
+    spec = importlib.util.spec_from_file_location("exittrain_pilot", ROOT / "benchmarks" / "exittrain_pilot.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_eval(path, temps_values, positions=(10, 20, 30)):
+    path.mkdir(parents=True)
+    res = [{"temperature": t, "budget": 64, "per_prompt": {"positions": list(positions),
+                                                            "block_len_sum": [v * n for v, n in zip(vals, positions)]},
+            "block_len": sum(vals) / 3, "block_len_se": 0.01, "w_root": 0.1, "w_inner": 0.2, "w_cut": 0.6,
+            "w_horizon": 0.1, "w_depth": [0.1, 0.9]} for t, vals in temps_values.items()]
+    (path / "results.json").write_text(json.dumps({"results": res}))
+
+
+def test_pilot_selection_rule_prefers_a_token_only_schedule_that_improves_both_temperatures(P, tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "RESULTS", tmp_path / "pilot.json")
+    base = {0.0: [3.0, 3.1, 2.9], 1.0: [2.0, 2.1, 1.9]}
+    _write_eval(tmp_path / "shipped" / "eval", base)
+    bump = lambda d, a, b: {0.0: [x + a + 0.001 * i for i, x in enumerate(d[0.0])],
+                            1.0: [x + b + 0.001 * i for i, x in enumerate(d[1.0])]}
+    variants = list(P.VARIANTS)
+    tok = [v for v in variants if P.VARIANTS[v][1] == 0]
+    dis = [v for v in variants if P.VARIANTS[v][1] > 0]
+    for v, (a, b) in zip(tok, [(0.05, -0.01), (0.02, 0.01), (-0.1, 0.2)]):   # only tok[1] improves both
+        _write_eval(tmp_path / v / "eval", bump(base, a, b))
+        (tmp_path / v / "record.json").write_text(json.dumps([{"kind": "train", "wall_s": 1.0}]))
+    for v in dis:
+        _write_eval(tmp_path / v / "eval", bump(base, 0.2, 0.2))
+        (tmp_path / v / "record.json").write_text(json.dumps([{"kind": "train", "wall_s": 1.0}]))
+    rep = P.collect(tmp_path)
+    assert rep["complete"] and rep["chosen"] == tok[1]                     # token-only first, even if distill is better
+    assert rep["variants"][tok[1]]["vs_shipped"]["T0-B64"]["diff"] > 0
+    import shutil
+    shutil.rmtree(tmp_path / tok[1] / "eval")                              # now no token-only schedule improves both
+    _write_eval(tmp_path / tok[1] / "eval", bump(base, -0.01, 0.01))
+    assert P.collect(tmp_path)["chosen"] == dis[0]
+    for v in dis:
+        shutil.rmtree(tmp_path / v / "eval")
+        _write_eval(tmp_path / v / "eval", bump(base, -0.2, 0.2))
+    assert P.collect(tmp_path)["chosen"] is None
+    assert "chosen: None" in P.report(json.loads((tmp_path / "pilot.json").read_text()))
+
+
+
+def test_the_gate_reads_only_the_gated_temperatures(X, tmp_path, monkeypatch):
+    """Schedule v2 gates on T = 1 only: a control that moves T = 1 by > 5 SE passes whatever T = 0 does."""
+    base = {0.0: [3.0, 3.1, 2.9], 1.0: [2.0, 2.1, 1.9]}
+    _write_eval(tmp_path / "shipped" / "eval", base)
+    _write_eval(tmp_path / "A-s0" / "eval", {0.0: [x + 0.001 * i for i, x in enumerate(base[0.0])],
+                                             1.0: [x + 0.05 + 0.001 * i for i, x in enumerate(base[1.0])]})
+    monkeypatch.setitem(X.DESIGN, "gate_temperatures", [1.0])
+    g = X.gate(tmp_path)
+    assert g["go"] and g["gated"] == ["T1-B64"] and abs(g["T0-B64"]["z"]) < 5 < g["T1-B64"]["z"]
+    monkeypatch.setitem(X.DESIGN, "gate_temperatures", [0.0, 1.0])
+    assert not X.gate(tmp_path)["go"]
