@@ -564,7 +564,8 @@ def markdown(rep: dict) -> str:
               f"{lam['batches']} batches; target ratio {lam['target_ratio']})", ""]
     g = rep.get("gate")
     if g:
-        L += ["| gate: A-s0 − shipped | " + " | ".join(keys) + " | go |", "| --- |" + " --- |" * (len(keys) + 1),
+        gated = ", ".join(g.get("gated", keys))  # chunk 1's results predate "gated": every key
+        L += ["| gate: A-s0 − shipped | " + " | ".join(keys) + f" | go (> {d['gate_se']:g} SE at {gated}) |", "| --- |" + " --- |" * (len(keys) + 1),
               "| Δ % ± SE (z) | " + " | ".join(f"{g[k]['diff']:+.3f} ± {g[k]['se']:.3f} ({g[k]['z']:+.1f})" for k in keys)
               + f" | {'yes' if g['go'] else 'NO'} |", ""]
     L += ["| run | steps | " + " | ".join(f"1+C_p {k}" for k in keys) + " | " + " | ".join(f"τ {k}" for k in keys)
