@@ -629,24 +629,40 @@ def cmd_bench(args, argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------------- eval-drafter
 
-def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()) -> None:
-    """Refuse an ``--output`` that cannot be a fresh results folder (a file, a file on its path,
-    a non-empty folder without ``--overwrite``; entries named in ``reusable`` do not count)."""
-    if out.exists() and not out.is_dir():
-        raise UsageError("--output", f"{out} exists and is not a directory")
-    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise UsageError("--output", f"cannot create {out}: {blocker} is not a directory")
-    if out.is_dir() and any(p.name not in reusable for p in out.iterdir()) and not overwrite:
-        raise UsageError("--output", f"{out} exists and is not empty (results of an earlier run?); "
-                                     "choose another --output or pass --overwrite")
-    # probe that the folder can be made, before minutes of model loading (a read-only or
-    # virtual filesystem such as /proc fails only at the first write otherwise); leaves nothing
-    base = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))
+def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = (), arg: str = "--output",
+                      must_be_empty: bool = True) -> None:
+    """Refuse a folder argument (``arg``) that cannot be written before any model loads: a file,
+    a dangling link, a file on its path, a name the filesystem rejects, a place that cannot be
+    written (``/proc``, a read-only mount), or, with ``must_be_empty``, a non-empty folder without
+    ``--overwrite`` (entries named in ``reusable`` do not count). Raises ``UsageError(arg)``;
+    creates nothing (the write probe is removed at once)."""
+    try:
+        if out.is_symlink() and not out.exists():
+            raise UsageError(arg, f"{out} is a link to a missing {os.readlink(out)!r}")
+        if out.exists() and not out.is_dir():
+            raise UsageError(arg, f"{out} exists and is not a directory")
+        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise UsageError(arg, f"cannot create {out}: {blocker} is not a directory")
+        if must_be_empty and out.is_dir() and any(p.name not in reusable for p in out.iterdir()) and not overwrite:
+            raise UsageError(arg, f"{out} exists and is not empty (results of an earlier run?); "
+                                  f"choose another {arg} or pass --overwrite")
+        base = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))
+    except OSError as e:  # e.g. a name longer than the filesystem allows
+        raise UsageError(arg, f"cannot use {str(out)[:80]!r}: {e.strerror or e}") from None
+    # probe that the folder can be made, before minutes of model loading (a read-only or virtual
+    # filesystem such as /proc fails only at the first write otherwise)
     try:
         tempfile.TemporaryDirectory(dir=base, prefix=".sglang-tev-probe-").cleanup()
     except OSError as e:
-        raise UsageError("--output", f"cannot write under {base}: {e.strerror or e}") from None
+        raise UsageError(arg, f"cannot create folders under {base} ({e.strerror or e})") from None
+    try:  # a name below base too long for its filesystem fails only when the run creates it
+        name_max = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = None
+    missing = out.resolve().relative_to(base.resolve()).parts if name_max else ()
+    if any(len(part.encode()) > name_max for part in missing):
+        raise UsageError(arg, f"cannot create {str(out)[:80]!r}...: a name is longer than {name_max} bytes")
 
 
 def cmd_eval_drafter(args, argv: list[str]) -> int:
@@ -681,6 +697,8 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
     out = Path(args.output) if args.output else \
         Path("eval-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     _check_output_dir(out, args.overwrite, reusable=("continuations",))
+    if args.cache_dir is not None:
+        _check_output_dir(Path(args.cache_dir), False, arg="--cache-dir", must_be_empty=False)
     try:
         prompts = load_prompts(args.prompts, args.limit)
     except (FileNotFoundError, ValueError) as e:

@@ -205,7 +205,7 @@ BAD = [
     (["--repeats", "0"], "--repeats", "must be >= 1, got 0"),
     (["--repeats", "x"], "--repeats", "invalid int value: 'x'"),
     (["--output", "{under_file}"], "--output", "is not a directory"),
-    (["--output", "/proc/sglang-tev-out"], "--output", "cannot write under /proc"),  # before the models load
+    (["--output", "/proc/sglang-tev-out"], "--output", "cannot create folders under /proc"),  # before the models load
 ]
 
 

@@ -229,6 +229,32 @@ def test_cli_bad_arguments_name_the_argument_and_write_nothing(pair, tmp_path, c
     assert not (out / "results.json").exists()
 
 
+@pytest.mark.parametrize("flag, where, says", [
+    ("--cache-dir", "/proc/sglang-tev-cache", "cannot create folders under /proc"),
+    ("--cache-dir", "{file}/c", "is not a directory"),
+    ("--output", "{dangling}", "is a link to a missing"),
+    ("--output", "{long}", "too long"),
+    ("--cache-dir", "{new}/{long_name}", "longer than"),
+])
+def test_cli_unwritable_folders_are_refused_before_loading(pair, tmp_path, capsys, monkeypatch, flag, where, says):
+    """Each used to fail only after the models loaded, with a traceback (or blamed --prompts)."""
+    import sglang_tev.train.drafter_eval as de
+
+    def no_eval(*a, **k):
+        raise AssertionError("evaluate_drafters ran")
+    monkeypatch.setattr(de, "evaluate_drafters", no_eval)
+    target, draft, prompts = pair
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    where = where.format(file=tmp_path / "f", dangling=tmp_path / "dangling", long=tmp_path / ("a" * 300),
+                         new=tmp_path / "new", long_name="b" * 300)
+    opts = {"--output": str(tmp_path / "out"), flag: where}
+    rc, _, err = run_cli(["eval-drafter", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                          "--no-progress", *[x for kv in opts.items() for x in kv]], capsys)
+    assert rc == 2 and f"argument {flag}:" in err and says in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "f"]        # nothing created
+
+
 def test_cli_missing_models_and_prompts(pair, tmp_path, capsys):
     target, draft, prompts = pair
     base = ["eval-drafter", "--output", str(tmp_path / "o"), "--no-progress"]
