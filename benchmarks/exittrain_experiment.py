@@ -93,7 +93,8 @@ def design_conflict(old: dict, out: Path) -> str | None:
     data = [k for k in changed if k in DATA_KEYS]
     if data:
         return "data settings changed: " + ", ".join(data)
-    trained = [p.parent.name for p in out.glob("*/record.json") if p.parent.name not in ("data", "shipped")]
+    # any run folder counts: a unit killed after a checkpoint leaves no record.json
+    trained = [p.name for p in out.iterdir() if p.is_dir() and p.name not in ("data", "shipped")] if out.is_dir() else []
     if changed and trained:
         return f"schedule changed ({', '.join(changed)}) after runs were trained ({', '.join(sorted(trained))})"
     return None
@@ -369,9 +370,12 @@ def bench_cmd(out: Path, draft: Path, dest: Path) -> list[str]:
             "--output", str(dest), "--overwrite", "--no-progress"]
 
 
-def gate(out: Path) -> dict | None:
-    """A-s0 against the shipped drafter on the test set (None until both are evaluated)."""
-    a, s = out / name("A", DESIGN["seeds"][0]) / "eval" / "results.json", out / "shipped" / "eval" / "results.json"
+def gate(out: Path, design: dict | None = None) -> dict | None:
+    """A-s0 against the shipped drafter on the test set (None until both are evaluated), under
+    ``design`` (default ``DESIGN``). v1 (chunk 1): |z| > gate_se at every temperature; v2: the
+    control must improve, z > gate_se, at each of ``gate_temperatures``."""
+    design = design or DESIGN
+    a, s = out / name("A", design["seeds"][0]) / "eval" / "results.json", out / "shipped" / "eval" / "results.json"
     if not (a.exists() and s.exists()):
         return None
     ra, rs = load_eval(a), load_eval(s)
@@ -380,8 +384,10 @@ def gate(out: Path) -> dict | None:
         d, se = paired(ra[key], rs[key])
         # no movement at all (the same trees everywhere) is z = 0, not an infinite z
         res[key] = {"diff": d, "se": se, "z": d / se if se > 0 else (0.0 if d == 0 else math.copysign(1e9, d))}
-    gated = [f"T{t:g}-B{b}" for t in DESIGN["gate_temperatures"] for b in DESIGN["eval_budgets"]]
-    res["go"] = all(abs(res[k]["z"]) > DESIGN["gate_se"] for k in gated)
+    gated = [f"T{t:g}-B{b}" for t in design.get("gate_temperatures", design["eval_temperatures"])
+             for b in design["eval_budgets"]]
+    signed = design.get("schedule_version", 1) >= 2
+    res["go"] = all((res[k]["z"] if signed else abs(res[k]["z"])) > design["gate_se"] for k in gated)
     res["gated"] = gated
     return res
 
@@ -469,7 +475,7 @@ def chunk(args, mach: dict) -> int:
     if g is not None:
         (out / "gate.json").write_text(json.dumps(g, indent=1) + "\n")
         if not g["go"] and not args.ignore_gate:
-            print("[exittrain] NO-GO: the token-only arm did not move the paired metric by more than "
+            print("[exittrain] NO-GO: the token-only arm did not improve the paired metric by more than "
                   f"{DESIGN['gate_se']} SE at T = {DESIGN['gate_temperatures']} ({g}); change the schedule and say so",
                   file=sys.stderr)
     left = units(out, lam, args.ignore_gate)
@@ -532,9 +538,10 @@ def collect(out: Path, results: Path) -> dict:
             rec["record"] = json.loads((rd / "record.json").read_text())
         runs[rd.name] = rec
     lam = out / "data" / "lambda.json"
-    rep = {"design": DESIGN, "arms": {k: {"mode": m, "temperature": t} for k, (m, t) in ARMS.items()},
+    design = json.loads((out / "design.json").read_text()) if (out / "design.json").exists() else DESIGN
+    rep = {"design": design, "arms": {k: {"mode": m, "temperature": t} for k, (m, t) in ARMS.items()},
            "lambda": json.loads(lam.read_text()) if lam.exists() else None,
-           "gate": gate(out), "runs": runs,
+           "gate": gate(out, design), "runs": runs,
            "data_record": json.loads((out / "data" / "record.json").read_text())
            if (out / "data" / "record.json").exists() else [],
            "collected_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -565,7 +572,8 @@ def markdown(rep: dict) -> str:
     g = rep.get("gate")
     if g:
         gated = ", ".join(g.get("gated", keys))  # chunk 1's results predate "gated": every key
-        L += ["| gate: A-s0 − shipped | " + " | ".join(keys) + f" | go (> {d['gate_se']:g} SE at {gated}) |", "| --- |" + " --- |" * (len(keys) + 1),
+        rule = f"z > +{d['gate_se']:g}" if d.get("schedule_version", 1) >= 2 else f"abs(z) > {d['gate_se']:g}"
+        L += ["| gate: A-s0 − shipped | " + " | ".join(keys) + f" | go ({rule} at {gated}) |", "| --- |" + " --- |" * (len(keys) + 1),
               "| Δ % ± SE (z) | " + " | ".join(f"{g[k]['diff']:+.3f} ± {g[k]['se']:.3f} ({g[k]['z']:+.1f})" for k in keys)
               + f" | {'yes' if g['go'] else 'NO'} |", ""]
     L += ["| run | steps | " + " | ".join(f"1+C_p {k}" for k in keys) + " | " + " | ".join(f"τ {k}" for k in keys)
@@ -629,12 +637,15 @@ def main(argv=None) -> int:
         return 0
     args.out = args.out.resolve()
     if args.collect:
+        if not (args.out / "design.json").exists():
+            p.error(f"--out: {args.out} holds no experiment (no design.json): nothing to collect")
         collect(args.out, args.results)
         return 0
     if not 0 < args.chunk_minutes <= 120:
         p.error(f"argument --chunk-minutes: must be in (0, 120], got {args.chunk_minutes}")
-    if args.jobs < 1 or args.segment_steps < 1:
-        p.error("argument --jobs / --segment-steps: must be >= 1")
+    for flag, v in (("--jobs", args.jobs), ("--segment-steps", args.segment_steps)):
+        if v < 1:
+            p.error(f"argument {flag}: must be >= 1, got {v}")
     args.out.mkdir(parents=True, exist_ok=True)
     design = args.out / "design.json"
     if design.exists():

@@ -138,12 +138,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--exp", type=Path, default=X.REPO / "runs" / "exittrain", help="the experiment's --out (data stage done)")
     p.add_argument("--out", type=Path, default=X.REPO / "runs" / "exittrain-pilot")
-    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=2, help="units in parallel, one thread each (default 2)")
+    p.add_argument("--wait-minutes", type=float, default=30.0,
+                   help="how long to wait for a data stage still running elsewhere (default 30)")
     p.add_argument("--report", action="store_true")
     args = p.parse_args(argv)
     if args.report:
         print(report(json.loads(RESULTS.read_text())), end="")
         return 0
+    if args.jobs < 1:
+        p.error(f"argument --jobs: must be >= 1, got {args.jobs}")
     exp, out = args.exp.resolve(), args.out.resolve()
     if not (exp / "data" / "train_prompts.jsonl").exists():
         p.error(f"--exp: {exp} has no data stage; start exittrain_experiment.py --data-only first")
@@ -151,7 +155,11 @@ def main(argv=None) -> int:
     prompts = val_prompts(exp)
     if not (out / "shipped" / "eval" / "results.json").exists():  # alone: it writes the continuations cache
         X.run_cmd(eval_cmd(exp, prompts, X.ASSET / "draft", out / "shipped" / "eval"), out / "shipped", "eval", None, mach)
+    deadline = time.time() + 60 * args.wait_minutes
     while not (exp / "data" / "rollouts.done").exists():  # the data stage may still be running
+        if time.time() > deadline:
+            p.error(f"--exp: {exp / 'data'} has no finished rollouts after {args.wait_minutes:g} min; "
+                    "run exittrain_experiment.py --data-only")
         time.sleep(20)
     with ThreadPoolExecutor(args.jobs) as ex:
         for f in [ex.submit(unit, exp, out, prompts, v, mach) for v in VARIANTS]:

@@ -84,8 +84,7 @@ def test_a_schedule_change_keeps_the_data_stage_until_a_run_is_trained(X, tmp_pa
     (tmp_path / "shipped").mkdir()
     (tmp_path / "shipped" / "record.json").write_text("[]")               # the shipped drafter's eval is schedule-free
     assert X.design_conflict(sched, tmp_path) is None
-    (tmp_path / "A-s0").mkdir()
-    (tmp_path / "A-s0" / "record.json").write_text("[]")
+    (tmp_path / "A-s0" / "checkpoints" / "step-25").mkdir(parents=True)    # killed before its record was written
     msg = X.design_conflict(sched, tmp_path)
     assert "schedule changed" in msg and "loss_decay_gamma" in msg and "lr" in msg and "A-s0" in msg
     data = dict(old, rollout_temperature=0.5)
@@ -116,7 +115,7 @@ def P(X):
 
 
 def _write_eval(path, temps_values, positions=(10, 20, 30)):
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     res = [{"temperature": t, "budget": 64, "per_prompt": {"positions": list(positions),
                                                             "block_len_sum": [v * n for v, n in zip(vals, positions)]},
             "block_len": sum(vals) / 3, "block_len_se": 0.01, "w_root": 0.1, "w_inner": 0.2, "w_cut": 0.6,
@@ -165,3 +164,14 @@ def test_the_gate_reads_only_the_gated_temperatures(X, tmp_path, monkeypatch):
     assert g["go"] and g["gated"] == ["T1-B64"] and abs(g["T0-B64"]["z"]) < 5 < g["T1-B64"]["z"]
     monkeypatch.setitem(X.DESIGN, "gate_temperatures", [0.0, 1.0])
     assert not X.gate(tmp_path)["go"]
+    # v2 needs an improvement: chunk 1's control moved T = 1 by z = -9.4, which v1's |z| rule read as movement
+    _write_eval(tmp_path / "A-s0" / "eval", {0.0: base[0.0], 1.0: [x - 0.05 + 0.001 * i for i, x in enumerate(base[1.0])]})
+    monkeypatch.setitem(X.DESIGN, "gate_temperatures", [1.0])
+    g = X.gate(tmp_path)
+    assert g["T1-B64"]["z"] < -5 and not g["go"]
+    v1 = {k: v for k, v in X.DESIGN.items() if k not in ("gate_temperatures", "schedule_version")}
+    v1_gate = X.gate(tmp_path, v1)                                         # v1 gated both, on |z|
+    assert v1_gate["gated"] == ["T0-B64", "T1-B64"] and not v1_gate["go"]
+    _write_eval(tmp_path / "A-s0" / "eval", {0.0: [x - 0.3 + 0.001 * i for i, x in enumerate(base[0.0])],
+                                             1.0: [x - 0.05 + 0.001 * i for i, x in enumerate(base[1.0])]})
+    assert X.gate(tmp_path, v1)["go"] and not X.gate(tmp_path)["go"]
