@@ -392,15 +392,32 @@ def gate(out: Path, design: dict | None = None) -> dict | None:
     return res
 
 
-def units(out: Path, lam: float, ignore_gate: bool) -> list[tuple[str, str, int | None, Path, object]]:
-    """The next work units from the state on disk: (kind, run, seed, run dir, payload)."""
+def archived(results: Path) -> dict:
+    """The runs a results JSON of this same design holds complete (evaluated and benched) — the
+    runs folder is not committed, so a later session continues from the JSON — and its gate:
+    ``{"runs": {name: record}, "gate": gate or None}`` (empty for another design or no file)."""
+    if not results.exists():
+        return {"runs": {}, "gate": None}
+    rep = json.loads(results.read_text())
+    if rep.get("design") != json.loads(json.dumps(DESIGN)):
+        return {"runs": {}, "gate": None}
+    return {"runs": {k: v for k, v in rep.get("runs", {}).items() if "eval" in v and "tau" in v},
+            "gate": rep.get("gate")}
+
+
+def units(out: Path, lam: float, ignore_gate: bool, done: dict | None = None) -> list[tuple[str, str, int | None, Path, object]]:
+    """The next work units from the state on disk, skipping the runs ``done`` (from
+    :func:`archived`) already holds: (kind, run, seed, run dir, payload)."""
+    done = done or {"runs": {}, "gate": None}
     todo = []
     shipped = out / "shipped"
-    if not (shipped / "eval" / "results.json").exists():
+    if "shipped" not in done["runs"] and not (shipped / "eval" / "results.json").exists():
         todo.append(("eval", "shipped", None, shipped, ASSET / "draft"))
-    g = gate(out)
+    g = gate(out) or done["gate"]
     for arm, seed in run_names():
         rd = out / name(arm, seed)
+        if name(arm, seed) in done["runs"]:
+            continue
         if (arm, seed) != ("A", DESIGN["seeds"][0]) and not ignore_gate and (g is None or not g["go"]):
             continue
         if not (rd / "final" / "model.safetensors").exists():
@@ -409,7 +426,7 @@ def units(out: Path, lam: float, ignore_gate: bool) -> list[tuple[str, str, int 
             todo.append(("eval", name(arm, seed), seed, rd, rd / "final"))
         elif not (rd / "bench" / "results.json").exists():
             todo.append(("bench", name(arm, seed), seed, rd, rd / "final"))
-    if not (shipped / "bench" / "results.json").exists():
+    if "shipped" not in done["runs"] and not (shipped / "bench" / "results.json").exists():
         todo.append(("bench", "shipped", None, shipped, ASSET / "draft"))
     return todo
 
@@ -449,11 +466,14 @@ def chunk(args, mach: dict) -> int:
     out = args.out
     lam = data_stage(out, mach)["lambda"]
     print(f"[exittrain] data ready; lambda = {lam}", file=sys.stderr, flush=True)
+    prior = archived(args.results)
+    if prior["runs"]:
+        print(f"[exittrain] complete in {args.results}: {', '.join(prior['runs'])}", file=sys.stderr, flush=True)
     running: dict = {}
     busy: set[str] = set()
     with ThreadPoolExecutor(args.jobs) as ex:
         while True:
-            todo = [u for u in units(out, lam, args.ignore_gate) if u[1] not in busy]
+            todo = [u for u in units(out, lam, args.ignore_gate, prior) if u[1] not in busy]
             for u in todo:
                 if len(running) >= args.jobs:
                     break
@@ -471,14 +491,14 @@ def chunk(args, mach: dict) -> int:
                 u = running.pop(f)
                 busy.discard(u[1])
                 f.result()
-    g = gate(out)
+    g = gate(out) or prior["gate"]
     if g is not None:
         (out / "gate.json").write_text(json.dumps(g, indent=1) + "\n")
         if not g["go"] and not args.ignore_gate:
             print("[exittrain] NO-GO: the token-only arm did not improve the paired metric by more than "
                   f"{DESIGN['gate_se']} SE at T = {DESIGN['gate_temperatures']} ({g}); change the schedule and say so",
                   file=sys.stderr)
-    left = units(out, lam, args.ignore_gate)
+    left = units(out, lam, args.ignore_gate, prior)
     stopped = g is not None and not g["go"] and not args.ignore_gate
     end = " — stopped at the gate (no-go)" if stopped else ("" if left else " — the experiment is complete")
     print(f"[exittrain] chunk over: {len(left)} unit(s) left{end}", file=sys.stderr)
@@ -514,8 +534,11 @@ def paired(a: dict, b: dict) -> tuple[float, float]:
 
 def collect(out: Path, results: Path) -> dict:
     """Everything the report needs, from the run directories, into ``results`` (JSON)."""
-    runs = {}
+    old = archived(results)
+    runs = dict(old["runs"])  # complete runs of earlier sessions; a run folder on disk replaces its entry
     for rd in sorted(p for p in out.iterdir() if p.is_dir() and p.name != "data"):
+        if rd.name in runs and not (rd / "eval" / "results.json").exists():
+            continue
         rec = {}
         if (rd / "eval" / "results.json").exists():
             rec["eval"] = load_eval(rd / "eval" / "results.json")
@@ -541,7 +564,7 @@ def collect(out: Path, results: Path) -> dict:
     design = json.loads((out / "design.json").read_text()) if (out / "design.json").exists() else DESIGN
     rep = {"design": design, "arms": {k: {"mode": m, "temperature": t} for k, (m, t) in ARMS.items()},
            "lambda": json.loads(lam.read_text()) if lam.exists() else None,
-           "gate": gate(out, design), "runs": runs,
+           "gate": gate(out, design) or old["gate"], "runs": dict(sorted(runs.items())),
            "data_record": json.loads((out / "data" / "record.json").read_text())
            if (out / "data" / "record.json").exists() else [],
            "collected_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -96,7 +96,7 @@ def test_a_schedule_change_keeps_the_data_stage_until_a_run_is_trained(X, tmp_pa
 def test_the_driver_says_when_it_stopped_at_the_gate(X, tmp_path, monkeypatch, capsys):
     """A no-go chunk must not report the experiment as complete (chunk 1 did)."""
     monkeypatch.setattr(X, "data_stage", lambda out, mach: {"lambda": 36.0})
-    monkeypatch.setattr(X, "units", lambda out, lam, ignore: [])
+    monkeypatch.setattr(X, "units", lambda out, lam, ignore, prior=None: [])
     monkeypatch.setattr(X, "gate", lambda out: {"T0-B64": {"diff": -1.0, "se": 0.4, "z": -2.5}, "go": False})
     monkeypatch.setattr(X, "collect", lambda out, results: {})
     args = type("A", (), {"chunk_minutes": 1, "out": tmp_path, "jobs": 1, "ignore_gate": False,
@@ -175,3 +175,29 @@ def test_the_gate_reads_only_the_gated_temperatures(X, tmp_path, monkeypatch):
     _write_eval(tmp_path / "A-s0" / "eval", {0.0: [x - 0.3 + 0.001 * i for i, x in enumerate(base[0.0])],
                                              1.0: [x - 0.05 + 0.001 * i for i, x in enumerate(base[1.0])]})
     assert X.gate(tmp_path, v1)["go"] and not X.gate(tmp_path)["go"]
+
+
+def test_a_new_session_continues_from_the_results_json(X, tmp_path):
+    """runs/ is not committed: complete runs (evaluated and benched) in a results JSON of the same
+    design are not trained again, and --collect keeps them next to the runs on disk."""
+    design = json.loads(json.dumps(X.DESIGN))
+    done = {n: {"eval": _eval([2.0, 2.1, 1.9]), "tau": {"T0-B64": 2.0}} for n in ("shipped", "A-s0", "B-s0")}
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"design": design, "gate": {"go": True}, "runs": {**done, "C-s0": {"steps": 100}}}))
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    (out / "design.json").write_text(json.dumps(design))
+    prior = X.archived(results)
+    assert sorted(prior["runs"]) == ["A-s0", "B-s0", "shipped"] and prior["gate"]["go"]   # C-s0 is partial
+    todo = [(u[0], u[1]) for u in X.units(out, 36.0, False, prior)]
+    assert todo[0] == ("train", "C-s0") and not {"shipped", "A-s0", "B-s0"} & {u[1] for u in todo}
+    assert ("train", "A-s1") in todo
+    assert [(u[0], u[1]) for u in X.units(out, 36.0, False)][:2] == [("eval", "shipped"), ("train", "A-s0")]
+    (out / "C-s1").mkdir()
+    (out / "C-s1" / "train_log.jsonl").write_text(json.dumps({"step": 50, "ms_draft": 1.0}) + "\n")
+    rep = X.collect(out, results)
+    assert sorted(rep["runs"]) == ["A-s0", "B-s0", "C-s1", "shipped"] and rep["gate"]["go"]
+    assert rep["runs"]["B-s0"] == json.loads(json.dumps(done["B-s0"]))
+    other = dict(design, lr=1.0)                                           # another design: nothing carries over
+    results.write_text(json.dumps({"design": other, "gate": {"go": True}, "runs": done}))
+    assert X.archived(results) == {"runs": {}, "gate": None}
