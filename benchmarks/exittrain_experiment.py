@@ -224,7 +224,7 @@ def measure_lambda(out: Path) -> dict:
 
     from sglang_tev.train import Trainer, load_config
     from sglang_tev.train.data import anchor_keys, batch_indices, collate, sample_anchors, valid_anchor_positions
-    from sglang_tev.train.losses import block_logits, distill_loss, token_loss
+    from sglang_tev.train.losses import block_logits
 
     torch.set_num_threads(1)
     ov = train_overrides(out, "C", DESIGN["seeds"][0], 1.0, DESIGN["steps"])
@@ -243,18 +243,11 @@ def measure_lambda(out: Path) -> dict:
         anchors, keep = sample_anchors(valid, cfg.num_anchors, anchor_keys(cfg.seed, s, cfg.batch_size, cfg.seq_len, 0))
         logits, labels = block_logits(tr.step_module, tr.embed, tr.lm_head, features, ids, anchors, keep, K,
                                       tr.draft.config.mask_token_id)
-        weights = keep[..., None].float() * tr.decay
-        dense = []  # the dense loss as the trainer combines it (one denominator per term)
-        if cfg.loss.token_weight:
-            t = token_loss(logits, labels, weights)
-            dense.append(cfg.loss.token_weight * t.numerator / t.denominator)
-        if cfg.loss.distill_weight:
-            with torch.no_grad():
-                target_logits = tr._target_logits(last_hidden, anchors)
-            t = distill_loss(logits, target_logits, weights)
-            dense.append(cfg.loss.distill_weight * t.numerator / t.denominator)
+        # the dense loss as the trainer combines it (one denominator per term)
+        dense = sum(w * t.numerator / t.denominator
+                    for w, t in tr._dense_terms(logits, labels, anchors, keep, last_hidden, amp).values() if w)
         ex, _ = tr._exit_term(logits, ids, anchors, keep, last_hidden, cache, amp, {})
-        g_tok = torch.autograd.grad(sum(dense), params, retain_graph=True)
+        g_tok = torch.autograd.grad(dense, params, retain_graph=True)
         g_ex = torch.autograd.grad(ex.numerator / ex.denominator, params)
         n_tok = torch.sqrt(sum((g.double() ** 2).sum() for g in g_tok))
         n_ex = torch.sqrt(sum((g.double() ** 2).sum() for g in g_ex))
@@ -351,13 +344,17 @@ def median_step_s(run_dir: Path) -> float | None:
     return statistics.median(r["wall_s"] / (r["steps"][1] - r["steps"][0]) for r in recs)
 
 
-def eval_cmd(out: Path, draft: Path, dest: Path) -> list[str]:
+def eval_cmd(out: Path, draft: Path, dest: Path, prompts: Path | None = None, cache: Path | None = None) -> list[str]:
+    """``eval-drafter`` on the test prompts (default) or ``prompts``, continuations cached in
+    ``OUT/data/continuations`` (default) or ``cache``."""
     d = DESIGN
+    prompts = prompts or out / "data" / "test_prompts.jsonl"
+    cache = cache or out / "data" / "continuations"
     return [sys.executable, "-m", "sglang_tev.cli", "eval-drafter", "--target", str(ASSET / "target"),
-            "--draft", str(draft), "--prompts", str(out / "data" / "test_prompts.jsonl"),
+            "--draft", str(draft), "--prompts", str(prompts),
             "--temperatures", ",".join(f"{t:g}" for t in d["eval_temperatures"]),
             "--budgets", ",".join(map(str, d["eval_budgets"])), "--max-new-tokens", str(d["eval_max_new_tokens"]),
-            "--seed", str(d["eval_seed"]), "--cache-dir", str(out / "data" / "continuations"),
+            "--seed", str(d["eval_seed"]), "--cache-dir", str(cache),
             "--output", str(dest), "--overwrite", "--no-progress"]
 
 

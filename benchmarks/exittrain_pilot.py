@@ -62,10 +62,7 @@ def val_prompts(exp: Path) -> Path:
 
 
 def eval_cmd(exp: Path, prompts: Path, draft: Path, dest: Path) -> list[str]:
-    cmd = X.eval_cmd(exp, draft, dest)
-    cmd[cmd.index("--prompts") + 1] = str(prompts)
-    cmd[cmd.index("--cache-dir") + 1] = str(exp / "data" / "val_continuations")
-    return cmd
+    return X.eval_cmd(exp, draft, dest, prompts=prompts, cache=exp / "data" / "val_continuations")
 
 
 def train_cmd(exp: Path, out: Path, variant: str) -> list[str]:
@@ -101,10 +98,9 @@ def collect(out: Path) -> dict:
         recs = json.loads((out / v / "record.json").read_text())
         row["record"] = recs
         rep["variants"][v] = row
-    tok = {v: min(r["vs_shipped"][k]["z"] for k in r["vs_shipped"]) for v, r in rep["variants"].items()
-           if r["distill_weight"] == 0}
-    dis = {v: min(r["vs_shipped"][k]["z"] for k in r["vs_shipped"]) for v, r in rep["variants"].items()
-           if r["distill_weight"] > 0}
+    worst = {v: min(x["z"] for x in r["vs_shipped"].values()) for v, r in rep["variants"].items()}
+    tok = {v: z for v, z in worst.items() if rep["variants"][v]["distill_weight"] == 0}
+    dis = {v: z for v, z in worst.items() if rep["variants"][v]["distill_weight"] > 0}
     best_tok = max(tok, key=tok.get) if tok else None
     if best_tok and tok[best_tok] > 0:
         rep["chosen"] = best_tok

@@ -574,7 +574,6 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args, argv: list[str]) -> int:
     from .hf.bench import format_table, run_bench
-    from .hf.datasets import load_prompts
     from .sampling import GREEDY_EPS
 
     if args.limit is not None:
@@ -598,16 +597,10 @@ def cmd_bench(args, argv: list[str]) -> int:
         raise UsageError("--methods", "'greedy' is exact only at temperature 0; drop it or use --temperatures 0")
     if args.batch_sizes is not None and (not args.batch_sizes or any(b < 1 for b in args.batch_sizes)):
         raise UsageError("--batch-sizes", f"must be integers >= 1, got {args.batch_sizes}")
-    out = Path(args.output) if args.output else \
-        Path("bench-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = _output_path(args.output, "bench-results")
     _check_output_dir(out, args.overwrite)
     target, draft = _model_paths(args)
-    try:
-        prompts = load_prompts(args.dataset, args.limit)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError("--dataset", str(e)) from None
-    if not prompts:
-        raise UsageError("--dataset", f"{args.dataset} holds no prompts")
+    prompts = _prompts_arg("--dataset", args.dataset, args.limit)
     gen = _load(args)
     meta = {"dataset": args.dataset, "limit": args.limit, "target_path": os.fspath(target),
             "draft_path": None if draft is None else os.fspath(draft), "argv": argv}
@@ -628,6 +621,24 @@ def cmd_bench(args, argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- eval-drafter
+
+def _output_path(value: str | None, root: str) -> Path:
+    """``--output`` as given, else ``root/<UTC time stamp>``."""
+    return Path(value) if value else Path(root) / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def _prompts_arg(arg: str, source: str, limit: int | None) -> list:
+    """``load_prompts(source, limit)``; a missing, malformed or empty source is ``UsageError(arg)``."""
+    from .hf.datasets import load_prompts
+
+    try:
+        prompts = load_prompts(source, limit)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(arg, str(e)) from None
+    if not prompts:
+        raise UsageError(arg, f"{source} holds no prompts")
+    return prompts
+
 
 def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = (), arg: str = "--output",
                       must_be_empty: bool = True) -> None:
@@ -667,8 +678,6 @@ def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()
 
 def cmd_eval_drafter(args, argv: list[str]) -> int:
     """``sglang-tev eval-drafter``: :func:`sglang_tev.train.drafter_eval.evaluate_drafters`."""
-    from .hf.datasets import load_prompts
-
     if args.limit is not None:
         _at_least("--limit", args.limit, 1)
     _at_least("--max-new-tokens", args.max_new_tokens, 1)
@@ -694,17 +703,11 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
     for arg, path in [("--target", target)] + [("--draft", d) for d in drafts]:
         if not os.path.isdir(path):
             raise UsageError(arg, f"no model directory at {os.fspath(path)!r}")
-    out = Path(args.output) if args.output else \
-        Path("eval-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = _output_path(args.output, "eval-results")
     _check_output_dir(out, args.overwrite, reusable=("continuations",))
     if args.cache_dir is not None:
         _check_output_dir(Path(args.cache_dir), False, arg="--cache-dir", must_be_empty=False)
-    try:
-        prompts = load_prompts(args.prompts, args.limit)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError("--prompts", str(e)) from None
-    if not prompts:
-        raise UsageError("--prompts", f"{args.prompts} holds no prompts")
+    prompts = _prompts_arg("--prompts", args.prompts, args.limit)
     device = _torch_device(args.device)
     if device is None:
         import torch

@@ -767,6 +767,19 @@ class Trainer:
         h = last_hidden.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, H))
         return self.lm_head(h).reshape(*pos.shape, -1)
 
+    def _dense_terms(self, logits, labels, anchors, keep, last_hidden, amp, ce=None) -> dict:
+        """The dense loss terms ``{"tok": (token_weight, LossTerm), ["distill": (distill_weight,
+        LossTerm)]}`` of one batch, per-slot weights ``keep · decay``; ``tok`` is always present
+        (it is logged even at weight 0). ``ce``: the slot CE when already computed."""
+        cfg = self.cfg
+        weights = keep[..., None].float() * self.decay
+        terms = {"tok": (cfg.loss.token_weight, token_loss(logits, labels, weights, ce=ce))}
+        if cfg.loss.distill_weight:
+            with torch.no_grad(), torch.autocast(**amp):
+                target_logits = self._target_logits(last_hidden, anchors)
+            terms["distill"] = (cfg.loss.distill_weight, distill_loss(logits, target_logits, weights))
+        return terms
+
     def _exit_term(self, logits, ids, anchors, keep, last_hidden, seq_cache, amp, times):
         """ExitTrain's term (paper Eq. 14) and its diagnostics ``[Σ C_p, Σ w(root), trees]``."""
         ecfg = self.cfg.loss.exit
@@ -815,13 +828,7 @@ class Trainer:
             logits, labels = block_logits(self.step_module, self.embed, self.lm_head, features,
                                           ids, anchors, keep, K, self.draft.config.mask_token_id)
         ce = slot_ce(logits, labels)                                   # [b, n, K-1]
-        weights = keep[..., None].float() * self.decay
-        tok = token_loss(logits, labels, weights, ce=ce)
-        terms = {"tok": (cfg.loss.token_weight, tok)}
-        if cfg.loss.distill_weight:
-            with torch.no_grad(), torch.autocast(**amp):
-                target_logits = self._target_logits(last_hidden, anchors)
-            terms["distill"] = (cfg.loss.distill_weight, distill_loss(logits, target_logits, weights))
+        terms = self._dense_terms(logits, labels, anchors, keep, last_hidden, amp, ce=ce)
         times["draft"] = time.perf_counter() - t0
         diag = torch.zeros(3, dtype=torch.float64, device=dev)
         if use_exit:
