@@ -91,10 +91,18 @@ differently from another (SGLang's CPU path is not batch-invariant), so a near-t
 between any two runs; anything wider is a real difference."""
 
 
-def assert_same_ids(got, want, prompts, model, what, max_flips=1):
-    """Equal ids, except that up to ``max_flips`` sequences may first differ at a near-tie of the
-    bf16 target's law (HF logits at that point, gap <= :data:`TIE`); the rest of such a sequence
-    follows another prefix and is not compared. Lengths must agree where no flip happened."""
+def assert_same_ids(got, want, prompts, model, what, max_flips=None):
+    """Equal ids, except that sequences may first differ at a near-tie of the bf16 target's law
+    (HF logits at that point, gap <= :data:`TIE`); the rest of such a sequence follows another
+    prefix and is not compared. Lengths must agree where no flip happened.
+
+    The gap check is the test: a bug that makes a sequence diverge lands on a near-tie only if the
+    divergence happens to fall on one of the few tied positions (~1 % of these tokens). How many
+    near-ties flip depends on batch shapes, which depend on the scheduler's timing (two exact ties
+    flipped between TEV and plain under a loaded machine), so ``max_flips`` (default: a third of
+    the sequences, at least 2) only bounds a bug that would systematically choose tied tokens."""
+    if max_flips is None:
+        max_flips = max(2, len(want) // 3)
     flips = []
     for i, (g, w) in enumerate(zip(got, want)):
         k = first_divergence(g, w)
@@ -112,7 +120,7 @@ def assert_same_ids(got, want, prompts, model, what, max_flips=1):
 
 def assert_matches_hf(got, want, prompt_ids, model, what):
     """SGLang ids equal HF's, up to near-tie flips (see :func:`assert_same_ids`)."""
-    assert_same_ids(got, want, prompt_ids, model, what, max_flips=2)
+    assert_same_ids(got, want, prompt_ids, model, what)
 
 
 class _Hosts:
