@@ -19,9 +19,9 @@ Design (frozen in ``DESIGN``; ``OUT/design.json`` records it and a changed desig
 * metric: ``eval-drafter`` on the test continuations (B = 64, T = 0 and 1): per-seed paired
   differences C−A, B−A, C−B, D−A with SEs over prompts; realized τ from ``sglang-tev bench``
   (tev, B = 64, T = 0 and 1, same prompts);
-* gate: after A-s0 is trained and evaluated, |Δ(A-s0 − shipped)| must exceed 5 SE at every
-  temperature in ``gate_temperatures`` (v2: T = 1; chunk 1 required T = 0 too), else the driver
-  stops (no-go: change the schedule and say so);
+* gate: after A-s0 is trained and evaluated, A-s0 must improve on the shipped drafter by more
+  than 5 SE (z > +5) at every temperature in ``gate_temperatures`` (v2: T = 1; chunk 1 required
+  |z| > 5 at T = 0 and 1), else the driver stops (no-go: change the schedule and say so);
 * decision rule, per contrast and temperature: an effect is shown when all three seeds agree in
   sign and |mean| > 2·SD/√3 (SD over the seeds' Δ).
 
@@ -602,7 +602,10 @@ def markdown(rep: dict) -> str:
         ev, tau = r.get("eval", {}), r.get("tau", {})
         cells = [f"{ev[k]['block_len']:.4f} ± {ev[k]['block_len_se']:.4f}" if k in ev else "-" for k in keys]
         cells += [f"{tau[k]:.3f}" if k in tau else "-" for k in keys]
-        L.append(f"| {rn} | {r.get('steps', '-')} | " + " | ".join(cells) + " |")
+        steps = r.get("steps", "-")
+        if rn != "shipped" and not ("eval" in r and "tau" in r):
+            steps = f"{steps} (partial: its session ended first; it is retrained)"  # runs/ is not committed
+        L.append(f"| {rn} | {steps} | " + " | ".join(cells) + " |")
     L += ["", "| run | setting | exit at root | inner nodes | budget-cut leaves | horizon | depth 1 | depth 2 | depth 3 |",
           "| --- " * 9 + "|"]
     for rn, r in runs.items():
@@ -648,12 +651,19 @@ def main(argv=None) -> int:
     p.add_argument("--segment-steps", type=int, default=50, help="training steps per work unit (default 50)")
     p.add_argument("--jobs", type=int, default=1, help="work units in parallel, one thread each (default 1)")
     p.add_argument("--ignore-gate", action="store_true", help="run the other arms even when the gate says no-go")
-    p.add_argument("--data-only", action="store_true", help="only the data stage (split, prompts, rollouts, test continuations, λ)")
-    p.add_argument("--collect", action="store_true", help="only gather the runs into --results")
-    p.add_argument("--report", action="store_true", help="only print the doc tables from --results")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--data-only", action="store_true", help="only the data stage (split, prompts, rollouts, test continuations, λ)")
+    only.add_argument("--collect", action="store_true", help="only gather the runs into --results")
+    only.add_argument("--report", action="store_true", help="only print the doc tables from --results")
     args = p.parse_args(argv)
     if args.report:
-        print(markdown(json.loads(args.results.read_text())), end="")
+        try:
+            res = json.loads(args.results.read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"argument --results: cannot read {args.results} as JSON ({e})")
+        if not isinstance(res, dict) or not isinstance(res.get("runs"), dict) or "design" not in res:
+            p.error(f"argument --results: {args.results} is not this experiment's results JSON (no 'runs'/'design')")
+        print(markdown(res), end="")
         return 0
     args.out = args.out.resolve()
     if args.collect:

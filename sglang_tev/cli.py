@@ -160,7 +160,8 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Lossless tree speculative decoding (DFlash + DDTree + TEV).",
-                     epilog=GENERATE_EXAMPLES + BENCH_EXAMPLES.split("\n", 1)[1] + "\nsee COMMAND --help for each option\n",
+                     epilog=(GENERATE_EXAMPLES + BENCH_EXAMPLES.split("\n", 1)[1] + EVAL_EXAMPLES.split("\n", 1)[1]
+                             + "\nsee COMMAND --help for each option\n"),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -215,6 +215,23 @@ def test_cli_same_drafter_twice_gives_zero_difference_and_reuses_the_cache(pair,
     assert [r["block_len"] for r in again["results"]] == [r["block_len"] for r in rep["results"]]
 
 
+def test_cli_budget_zero_is_the_root_alone(pair, tmp_path, capsys):
+    """B = 0 (no tree) is a valid budget for generate and bench; here it used to crash in the
+    target's tree forward. With the root alone, every exit is at the root: 1 + C_p = 1 exactly."""
+    target, draft, prompts = pair
+    out = tmp_path / "b0"
+    rc, _, err = run_cli(["eval-drafter", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                          "--temperatures", "0,1", "--budgets", "0,3", "--max-new-tokens", "5",
+                          "--output", str(out), "--no-progress"], capsys)
+    assert rc == 0, err
+    res = json.loads((out / "results.json").read_text())["results"]
+    zero = [r for r in res if r["budget"] == 0]
+    assert len(zero) == 2 and all(r["block_len"] == 1.0 and r["block_len_se"] == 0.0 for r in zero)
+    assert all(r["w_root"] == pytest.approx(1.0, abs=1e-6) and r["w_cut"] == 0.0 for r in zero)
+    # the random pair's drafter still leaves some T = 1 mass below the root at B = 3
+    assert [r["block_len"] > 1.0 for r in res if r["budget"] == 3 and r["temperature"] == 1] == [True]
+
+
 @pytest.mark.parametrize("extra, arg", [
     (["--budgets", "2000"], "--budgets"), (["--temperatures", "-1"], "--temperatures"),
     (["--temperatures", "1,1"], "--temperatures"), (["--max-new-tokens", "0"], "--max-new-tokens"),
@@ -265,6 +282,8 @@ def test_cli_missing_models_and_prompts(pair, tmp_path, capsys):
                                                     "--prompts", str(tmp_path / "none.jsonl")], capsys)[2]
     assert "argument --draft:" in run_cli(base + ["--target", str(target), "--draft", str(target),
                                                   "--prompts", str(prompts)], capsys)[2]
+    err = run_cli(base + ["--target", str(draft), "--draft", str(draft), "--prompts", str(prompts)], capsys)[2]
+    assert "argument --target:" in err and "give it as the draft" in err
 
 
 def test_trainer_evaluation_reports_the_same_block_length(shipped, tmp_path):

@@ -201,3 +201,23 @@ def test_a_new_session_continues_from_the_results_json(X, tmp_path):
     other = dict(design, lr=1.0)                                           # another design: nothing carries over
     results.write_text(json.dumps({"design": other, "gate": {"go": True}, "runs": done}))
     assert X.archived(results) == {"runs": {}, "gate": None}
+
+
+@pytest.mark.parametrize("content", [None, "{not json", "{}", "[]"])
+def test_report_refuses_an_unreadable_results_file_in_one_line(X, tmp_path, capsys, content):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        X.main(["--report", "--results", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --results" in err and str(path) in err
+
+
+def test_only_one_of_report_collect_and_data_only(X, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        X.main(["--report", "--collect", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

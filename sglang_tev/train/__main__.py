@@ -15,7 +15,7 @@ PROG = "python -m sglang_tev.train"
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog=PROG, description="Train a DFlash drafter against a frozen HF target (DESIGN §6).",
+        prog=PROG, description="Train a DFlash drafter against a frozen HF target (docs/training.md).",
         epilog="Overrides are dotted keys with YAML values, e.g. lr=3e-4 loss_decay_gamma=7 "
                "draft.num_hidden_layers=2 draft.target_layer_ids=[1,3]. Keys: docs/training.md.")
     p.add_argument("--config", metavar="YAML", help="run config file (optional when every "

@@ -271,6 +271,9 @@ def iter_tree_logits(
         m = j1 - j0
         rows = (torch.arange(b, device=dev)[:, None] * n + torch.arange(j0, j1, device=dev)).reshape(-1)
         sub = take_trees(tree, rows)
+        if N == 1:  # budget 0: the root's law is all there is, and no query row is left to run
+            yield rows, sub, root_logits[:, j0:j1, None].reshape(b * m, 1, -1)
+            continue
         anc = anchors[:, j0:j1]
         tokens = sub.tokens[:, 1:].reshape(b, m * (N - 1))
         positions = (anc[..., None] + sub.depth[:, 1:].reshape(b, m, N - 1)).reshape(b, m * (N - 1))

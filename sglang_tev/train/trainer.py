@@ -82,7 +82,7 @@ def _check_target_dir(path: str | os.PathLike) -> None:
         raise FileNotFoundError(f"target: no model directory at {os.fspath(path)!r}")
     if is_dflash_checkpoint(path):
         raise ValueError(f"target: {os.fspath(path)!r} is a DFlash drafter (z-lab layout), not a target "
-                         "model; give it as draft_init")
+                         "model; give it as the draft (draft_init in a training config)")
 
 
 def load_target_config(path: str | os.PathLike):
