@@ -120,6 +120,11 @@ def _ids(x) -> list[int]:
     return [int(t) for t in x]
 
 
+def applies_chat_template(tokenizer, chat_template: bool = True) -> bool:
+    """Whether :func:`encode_prompt` applies ``tokenizer``'s chat template: requested and present."""
+    return bool(chat_template) and bool(getattr(tokenizer, "chat_template", None))
+
+
 def encode_prompt(prompt: Prompt | str, tokenizer, chat_template: bool = True) -> list[int]:
     """Token ids of a prompt.
 
@@ -131,7 +136,7 @@ def encode_prompt(prompt: Prompt | str, tokenizer, chat_template: bool = True) -
     """
     if isinstance(prompt, str):
         prompt = Prompt(id="", text=prompt)
-    has_template = chat_template and bool(getattr(tokenizer, "chat_template", None))
+    has_template = applies_chat_template(tokenizer, chat_template)
     if prompt.messages is not None:
         msgs = [dict(m) for m in prompt.messages]
         if has_template:

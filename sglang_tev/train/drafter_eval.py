@@ -285,7 +285,7 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
     from tqdm import tqdm
 
     from ..draft.dflash import DFlashDraftModel
-    from ..hf.datasets import encode_prompt
+    from ..hf.datasets import applies_chat_template, encode_prompt
     from .exit import check_tree_support
     from .trainer import load_target
 
@@ -402,8 +402,7 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
            "draft_paths": [os.fspath(p) for p in draft_paths],
            "temperatures": temps, "budgets": list(budgets), "max_new_tokens": max_new_tokens, "seed": seed,
            "prompts": [p.id for p in prompts],
-           # whether a template was applied (the request is a no-op for a tokenizer without one)
-           "chat_template": chat_template and bool(getattr(tokenizer, "chat_template", None)),
+           "chat_template": applies_chat_template(tokenizer, chat_template),
            "continuations": {f"{t:g}": os.fspath(conts[t][0]) for t in temps},
            "generate_s": round(t_gen, 2), "score_s": round(t_score, 2),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
