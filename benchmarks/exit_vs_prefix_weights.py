@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, required=True, help="an eval-drafter continuations directory")
     p.add_argument("--target", type=Path, default=ASSET / "target")
-    p.add_argument("--draft", type=Path, default=ASSET / "draft")
+    p.add_argument("--draft", type=Path, default=ASSET / "draft-base",
+                   help="default: the drafter before ExitTrain, which docs/exittrain.md measured")
     p.add_argument("--budget", type=int, default=64)
     args = p.parse_args(argv)
     files = sorted(args.cache.glob("continuations-T*.jsonl"))

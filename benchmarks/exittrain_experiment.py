@@ -3,7 +3,8 @@
 
 Design (frozen in ``DESIGN``; ``OUT/design.json`` records it and a changed design is refused):
 
-* start: the shipped pair (``sglang_tev/assets/tiny-code``), target frozen;
+* start: the shipped pair (``sglang_tev/assets/tiny-code``; its drafter as shipped when the experiment
+  ran, packaged as ``draft-base/`` since), target frozen;
 * data: ``TRAIN_PROMPTS`` prompts cut from the stdlib TRAINING split of
   ``scripts/build_tiny_code.py`` (its ``split.json``), answered once by the target at T = 1
   (``rollout:``, one cache shared by every run); test: ``TEST_PROMPTS`` prompts cut from the 18
@@ -44,7 +45,6 @@ import json
 import math
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -55,8 +55,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "sglang_tev" / "assets" / "tiny-code"
+# the drafter every arm starts from and the "shipped" row: the one shipped when the experiment ran,
+# packaged as draft-base/ since arm D's recipe became the default drafter (scripts/build_tiny_code.py)
+BASE_DRAFT = ASSET / "draft-base"
 RESULTS = REPO / "benchmarks" / "results" / "exittrain-experiment.json"
 sys.path.insert(0, str(REPO))
+
+from sglang_tev.train.rollout import cut_prompts  # noqa: E402  (the training and test prompts)
 
 DESIGN = {
     "train_prompts": 1024, "test_prompts": 96, "prompt_chars": 600, "prompt_seed": 0,
@@ -160,42 +165,6 @@ def run_cmd(cmd: list[str], run_dir: Path, kind: str, seed: int | None, mach: di
 # data stage
 # ----------------------------------------------------------------------------------------------
 
-def cut_prompts(root: Path, files: list[str], n: int, seed: int, max_chars: int) -> list[dict]:
-    """``n`` prompts cut from ``files``: the text before a seeded random line start (at least 5
-    lines and 200 characters in), from a line start at most ``max_chars`` characters earlier.
-    Files are visited round-robin in a seeded order, a cut point used once."""
-    rng = random.Random(seed)
-    order = list(files)
-    rng.shuffle(order)
-    cuts = {}
-    for rel in order:
-        try:
-            text = (root / rel).read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        starts, off = [], 0
-        for line in text.splitlines(keepends=True):
-            starts.append(off)
-            off += len(line)
-        cand = [i for i in range(5, len(starts)) if starts[i] >= 200 and text[starts[i]:starts[i] + 1].strip()]
-        rng.shuffle(cand)
-        if cand:
-            cuts[rel] = (text, starts, cand)
-    out = []
-    while len(out) < n and any(c[2] for c in cuts.values()):
-        for rel in order:
-            if rel not in cuts or not cuts[rel][2] or len(out) >= n:
-                continue
-            text, starts, cand = cuts[rel]
-            i = cand.pop()
-            end = starts[i]
-            begin = next(s for s in starts if s >= end - max_chars)
-            out.append({"id": f"{rel}:{i + 1}", "prompt": text[begin:end]})
-    if len(out) < n:
-        raise SystemExit(f"only {len(out)} prompts could be cut from {len(files)} files, {n} wanted")
-    return out
-
-
 def rollout_overrides(data: Path) -> list[str]:
     d = DESIGN
     return [f"rollout.prompts={data / 'train_prompts.jsonl'}", f"rollout.cache={data / 'rollouts.jsonl'}",
@@ -207,7 +176,7 @@ def rollout_overrides(data: Path) -> list[str]:
 def train_overrides(out: Path, arm: str, seed: int, lam: float, stop_at: int) -> list[str]:
     d = DESIGN
     mode, temp = ARMS[arm]
-    return [f"target={ASSET / 'target'}", f"draft_init={ASSET / 'draft'}", f"output_dir={out / name(arm, seed)}",
+    return [f"target={ASSET / 'target'}", f"draft_init={BASE_DRAFT}", f"output_dir={out / name(arm, seed)}",
             f"max_steps={d['steps']}", f"stop_at_step={stop_at}", f"seed={seed}", f"seq_len={d['seq_len']}",
             f"batch_size={d['batch_size']}", f"num_anchors={d['num_anchors']}",
             f"loss_decay_gamma={d['loss_decay_gamma']}", f"lr={d['lr']}", f"warmup_steps={d['warmup_steps']}",
@@ -409,7 +378,7 @@ def units(out: Path, lam: float, ignore_gate: bool, done: dict | None = None) ->
     todo = []
     shipped = out / "shipped"
     if "shipped" not in done["runs"] and not (shipped / "eval" / "results.json").exists():
-        todo.append(("eval", "shipped", None, shipped, ASSET / "draft"))
+        todo.append(("eval", "shipped", None, shipped, BASE_DRAFT))
     g = gate(out) or done["gate"]
     for arm, seed in run_names():
         rd = out / name(arm, seed)
@@ -424,7 +393,7 @@ def units(out: Path, lam: float, ignore_gate: bool, done: dict | None = None) ->
         elif not (rd / "bench" / "results.json").exists():
             todo.append(("bench", name(arm, seed), seed, rd, rd / "final"))
     if "shipped" not in done["runs"] and not (shipped / "bench" / "results.json").exists():
-        todo.append(("bench", "shipped", None, shipped, ASSET / "draft"))
+        todo.append(("bench", "shipped", None, shipped, BASE_DRAFT))
     return todo
 
 

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     mach = X.machine()
     prompts = val_prompts(exp)
     if not (out / "shipped" / "eval" / "results.json").exists():  # alone: it writes the continuations cache
-        X.run_cmd(eval_cmd(exp, prompts, X.ASSET / "draft", out / "shipped" / "eval"), out / "shipped", "eval", None, mach)
+        X.run_cmd(eval_cmd(exp, prompts, X.BASE_DRAFT, out / "shipped" / "eval"), out / "shipped", "eval", None, mach)
     deadline = time.time() + 60 * args.wait_minutes
     while not (exp / "data" / "rollouts.done").exists():  # the data stage may still be running
         if time.time() > deadline:

@@ -10,14 +10,23 @@ Nothing can be downloaded, so the pair is trained here, seeded and reproducible,
   draft      DFlash drafter (2 layers, block size 16) trained by sglang_tev.train on the target's
              own features over the training split; resumes from the trainer's checkpoints in
              OUTDIR/draft_train/; ships bf16 in the z-lab layout; held-out per-depth accuracy/CE
-  bench      sglang-tev bench on HumanEval prompts (every method; budgets 32/64/128; T 0 and 1)
-  ship       (only when asked for) copy target/ and draft/ into sglang_tev/assets/tiny-code/
+  exittrain  that drafter fine-tuned by ExitTrain on 1,024 target rollouts of prompts cut from the
+             training split (token CE + exit loss under the T = 0 law; docs/exittrain.md, arm D);
+             resumes from OUTDIR/exittrain_train/; held-out accuracy and 1 + C_p before and after
+  bench      sglang-tev bench on HumanEval prompts with the exittrain drafter (every method;
+             budgets 32/64/128; T 0 and 1)
+  ship       (only when asked for) copy target/, exittrain/ (as draft/) and draft/ (as
+             draft-base/) into sglang_tev/assets/tiny-code/
 
 Each stage writes OUTDIR/<stage>/ through a temp dir and one rename, so a stage directory either
 is complete or does not exist; a complete stage is skipped unless --force. Docs: docs/tiny-code.md.
 
-    python scripts/build_tiny_code.py --out runs/tiny-code --threads 2          # tokenizer,target,draft,bench
+    python scripts/build_tiny_code.py --out runs/tiny-code --threads 2          # tokenizer .. bench
     python scripts/build_tiny_code.py --out runs/tiny-code --stages ship        # into sglang_tev/assets
+
+``--from-assets`` takes the target and draft stages from the packaged pair instead of training
+them (the tokenizer stage must equal the packaged tokenizer): the exittrain, bench and ship stages
+then run on what is shipped, without the ~70-minute retrain.
 """
 from __future__ import annotations
 
@@ -95,7 +104,10 @@ def sha256_file(path: Path) -> str:
 
 
 def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    """Written to a temp file and renamed: a killed write leaves the old file or none."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def fresh_tmp(out: Path, name: str) -> Path:
@@ -438,23 +450,40 @@ def draft_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
             "target_sha256": sha256_file(out / "target" / "model.safetensors")}
 
 
-def build_draft(args, cfg: Config, out: Path) -> dict | None:
-    import torch
-    from sglang_tev.draft.dflash import DFlashDraftModel
-    from sglang_tev.train import ConfigError, evaluate, load_dataset, load_target, train
-
-    if stage_record(out, "target") is None:
-        raise UsageExit(f"argument --stages: 'draft' needs {out / 'target'}; run the target stage first")
-    dcfg = draft_config_for(cfg)
-    work = out / "draft_train"
-    fingerprint = draft_fingerprint(cfg, args.seed, out)
+def training_dir(args, work: Path, fingerprint: dict, input_name: str) -> Path:
+    """The resume directory of a stage that runs sglang_tev.train: emptied by --force, refused
+    when it holds another config's (or another ``input_name``'s) checkpoints, stamped with the
+    stage fingerprint."""
     fp_path = work / "stage_fingerprint.json"
     if args.force:
         shutil.rmtree(work, ignore_errors=True)
     if work.exists() and (not fp_path.exists() or json.loads(fp_path.read_text()) != fingerprint):
-        raise UsageExit(f"argument --force: {work} is from another config or target; pass --force to restart")
+        raise UsageExit(f"argument --force: {work} is from another config or {input_name}; pass --force to restart")
     work.mkdir(parents=True, exist_ok=True)
     write_json(fp_path, fingerprint)
+    return work
+
+
+def run_trainer(run_cfg: dict):
+    """sglang_tev.train.train(run_cfg); a thread count that differs from the checkpoint's is a bad --threads."""
+    from sglang_tev.train import ConfigError, train
+
+    try:
+        return train(run_cfg)
+    except ConfigError as e:
+        if e.key == "threads":
+            raise UsageExit(f"argument --threads: {e}") from None
+        raise
+
+
+def build_draft(args, cfg: Config, out: Path) -> dict | None:
+    import torch
+
+    if stage_record(out, "target") is None:
+        raise UsageExit(f"argument --stages: 'draft' needs {out / 'target'}; run the target stage first")
+    dcfg = draft_config_for(cfg)
+    fingerprint = draft_fingerprint(cfg, args.seed, out)
+    work = training_dir(args, out / "draft_train", fingerprint, "target")
     mask_id = stage_record(out, "tokenizer")["summary"]["mask_id"]
     run_cfg = {
         "target": str(out / "target"), "data": str(out / "tokenizer" / "train.npy"),
@@ -471,31 +500,13 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
                   "mask_token_id": mask_id},
     }
     t0 = time.perf_counter()
-    try:
-        res = train(run_cfg)
-    except ConfigError as e:
-        if e.key == "threads":
-            raise UsageExit(f"argument --threads: {e}") from None
-        raise
+    res = run_trainer(run_cfg)
     if not res.complete:
         print(f"draft: stopped at step {res.step}/{dcfg.steps} (--max-steps); rerun to resume", file=sys.stderr)
         return None
     logs = [json.loads(ln) for ln in (work / "train_log.jsonl").read_text().splitlines()]
 
-    # Evaluate the shipped (bf16-rounded) drafter, computing in fp32 (bf16 autocast on CUDA).
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    target, tok = load_target(out / "target", device, torch.float32)
-    drafter = DFlashDraftModel.from_pretrained(res.final_dir, dtype=torch.float32, device=device)
-    held = load_dataset(out / "tokenizer" / "heldout.npy", dcfg.seq_len, key="heldout")
-    ev = evaluate(drafter, target, held, stride=dcfg.eval_stride, max_windows=dcfg.eval_windows,
-                  batch_size=dcfg.batch, sep_ids=[tok.eos_token_id if tok is not None else target.config.eos_token_id],
-                  device=device,
-                  autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
-
-    def clean(xs, nd):  # json-stable (no NaN: the skipped-stage summary must compare equal)
-        return [None if x != x else round(x, nd) for x in xs]
-
+    drafter, ev = heldout_eval(args, out, res.final_dir, dcfg)
     train_s = round(time.perf_counter() - t0, 1)
     tail = logs[-max(1, len(logs) // 10):]
     summary = {"params": sum(p.numel() for p in drafter.parameters()), "layers": dcfg.layers,
@@ -505,9 +516,9 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
                "heldout_anchors": ev["anchors"], "heldout_ce_mean": round(ev["ce_mean"], 5),
                "heldout_acc_mean": round(ev["acc_mean"], 5),
                "heldout_accept_len_data": round(ev["accept_len_data"], 4),
-               "heldout_acc": clean(ev["acc"], 4), "heldout_ce": clean(ev["ce"], 4),
-               "wall_s": train_s, "device": device.type, "threads": torch.get_num_threads(),
-               "torch": torch.__version__}
+               "heldout_acc": _clean(ev["acc"], 4), "heldout_ce": _clean(ev["ce"], 4),
+               "wall_s": train_s, "device": next(drafter.parameters()).device.type,
+               "threads": torch.get_num_threads(), "torch": torch.__version__}
     tmp = fresh_tmp(out, "draft")
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(res.final_dir / name, tmp / name)
@@ -516,18 +527,182 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
     write_json(tmp / "stage.json", {"fingerprint": fingerprint, "summary": summary})
     publish(tmp, out / "draft")
     shutil.rmtree(work)  # checkpoints only serve resuming; the stage is complete now
-    print("draft: held-out per-depth top-1 accuracy / CE (nats), bf16 weights, "
+    print_heldout("draft", ev)
+    return summary
+
+
+def _clean(xs, nd):
+    """json-stable rounding (no NaN: the skipped-stage summary must compare equal)."""
+    return [None if x != x else round(x, nd) for x in xs]
+
+
+def heldout_eval(args, out: Path, drafter_dir: Path, dcfg: DraftConfig, exit_budget: int | None = None):
+    """(drafter, metrics) of the drafter in ``drafter_dir`` (bf16 files as shipped, computed in
+    fp32; bf16 autocast on CUDA) on the held-out split: ``sglang_tev.train.evaluate`` with the
+    draft stage's windows and stride, plus 1 + C_p at T = 0 and 1 when ``exit_budget`` is given."""
+    import torch
+    from sglang_tev.draft.dflash import DFlashDraftModel
+    from sglang_tev.train import evaluate, load_dataset, load_target
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    target, tok = load_target(out / "target", device, torch.float32)
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32, device=device)
+    held = load_dataset(out / "tokenizer" / "heldout.npy", dcfg.seq_len, key="heldout")
+    ev = evaluate(drafter, target, held, stride=dcfg.eval_stride, max_windows=dcfg.eval_windows,
+                  batch_size=dcfg.batch, sep_ids=[tok.eos_token_id if tok is not None else target.config.eos_token_id],
+                  device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                  exit_budget=exit_budget)
+    return drafter, ev
+
+
+def print_heldout(stage: str, ev: dict) -> None:
+    print(f"{stage}: held-out per-depth top-1 accuracy / CE (nats), bf16 weights, "
           f"{ev['anchors']} anchors in {ev['windows']} windows")
     print("  depth " + " ".join(f"{d:>6}" for d in range(1, len(ev["acc"]) + 1)))
     print("  acc   " + " ".join(f"{a:6.3f}" for a in ev["acc"]))
     print("  ce    " + " ".join(f"{c:6.3f}" for c in ev["ce"]))
     print(f"  mean acc {ev['acc_mean']:.4f}  mean ce {ev['ce_mean']:.4f}  "
-          f"leading-correct depths (accept length on the data) {ev['accept_len_data']:.3f}")
+          f"leading-correct depths (accept length on the data) {ev['accept_len_data']:.3f}"
+          + "".join(f"  1 + C_p at T = {k[len('block_len_T'):]}: {v:.4f}"
+                    for k, v in ev.items() if k.startswith("block_len_T")))
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 4: exittrain (ExitTrain fine-tuning of the drafter on the target's own rollouts)
+
+@dataclasses.dataclass(frozen=True)
+class ExitConfig:
+    """ExitTrain fine-tuning of the draft stage's drafter: arm D of
+    ``benchmarks/exittrain_experiment.py`` (token CE + λ·exit loss under the target's T = 0 law),
+    the arm that beat the previously shipped drafter by +8 % tau at T = 0 on held-out prompts
+    (``docs/exittrain.md``). Every field is the experiment's value; ``threads`` is pinned to 1 so
+    that the stage reproduces the experiment's run bit for bit whatever ``--threads`` says."""
+    prompts: int = 1024             # cut from the training split's files (never the held-out ones)
+    prompt_chars: int = 600
+    prompt_seed: int = 0
+    rollout_max_new_tokens: int = 256
+    rollout_temperature: float = 1.0  # the target's own sampled answers (paper App. D)
+    rollout_batch: int = 16
+    rollout_seed: int = 0
+    steps: int = 600
+    lr: float = 3e-4
+    warmup: int = 20
+    min_lr_frac: float = 0.1
+    seq_len: int = 512
+    batch: int = 4
+    anchors: int = 16
+    gamma: float = 7.0
+    token_weight: float = 1.0       # dense loss: token CE on the response tokens
+    exit_mode: str = "exit"         # the paper's w(v) = P(v)·rho(v)
+    exit_lambda: float = 36.0       # fixed in advance: exit gradient at 0.6x the token gradient
+    exit_temperature: float = 0.0   # weights from the target's greedy law (arm D)
+    budget: int = 64
+    threads: int = 1
+    ckpt_every: int = 25
+    log_every: int = 10
+
+
+FULL_EXIT = ExitConfig()
+QUICK_EXIT = ExitConfig(prompts=8, prompt_chars=120, rollout_max_new_tokens=32, rollout_batch=4, steps=3, warmup=1, seq_len=128,
+                        batch=2, anchors=8, budget=16, ckpt_every=1, log_every=1)
+
+
+def exit_config_for(cfg: Config) -> ExitConfig:
+    same = dataclasses.replace(cfg, max_files=None) == dataclasses.replace(QUICK, max_files=None)
+    return QUICK_EXIT if same else FULL_EXIT
+
+
+def exittrain_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
+    return {**dataclasses.asdict(exit_config_for(cfg)), "seed": seed,
+            "draft_sha256": sha256_file(out / "draft" / "model.safetensors"),
+            "target_sha256": sha256_file(out / "target" / "model.safetensors")}
+
+
+def build_exittrain(args, cfg: Config, out: Path) -> dict | None:
+    """Rollouts of the target on prompts cut from the training split, then ``sglang_tev.train``
+    from the draft stage's drafter with ExitConfig's loss; held-out accuracy and 1 + C_p of the
+    drafter before and after. Resumes from the trainer's checkpoints and the rollout cache in
+    OUTDIR/exittrain_train/."""
+    import torch
+    from sglang_tev.train.rollout import cut_prompts
+
+    if stage_record(out, "draft") is None:
+        raise UsageExit(f"argument --stages: 'exittrain' needs {out / 'draft'}; run the draft stage first")
+    ecfg, dcfg = exit_config_for(cfg), draft_config_for(cfg)
+    fingerprint = exittrain_fingerprint(cfg, args.seed, out)
+    work = training_dir(args, out / "exittrain_train", fingerprint, "drafter")
+    prompts = work / "train_prompts.jsonl"
+    if not prompts.exists():
+        split = json.loads((out / "tokenizer" / "split.json").read_text())
+        try:
+            rows = cut_prompts(split["stdlib"], split["train"], ecfg.prompts, ecfg.prompt_seed, ecfg.prompt_chars)
+        except ValueError as e:
+            raise UsageExit(f"argument --max-files: the training files are too few for the exittrain stage ({e})") from None
+        prompts.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(prompts.with_suffix(".tmp"), prompts)
+    run_cfg = {
+        "target": str(out / "target"), "draft_init": str(out / "draft"), "output_dir": str(work),
+        "max_steps": ecfg.steps, "seq_len": ecfg.seq_len, "batch_size": ecfg.batch,
+        "num_anchors": ecfg.anchors, "loss_decay_gamma": ecfg.gamma, "lr": ecfg.lr,
+        "warmup_steps": ecfg.warmup, "min_lr_ratio": ecfg.min_lr_frac,
+        "loss": {"token_weight": ecfg.token_weight, "distill_weight": 0.0,
+                 "exit": {"mode": ecfg.exit_mode, "lambda": ecfg.exit_lambda,
+                          "temperature": ecfg.exit_temperature, "budget": ecfg.budget}},
+        "rollout": {"prompts": str(prompts), "cache": str(work / "rollouts.jsonl"),
+                    "max_new_tokens": ecfg.rollout_max_new_tokens, "temperature": ecfg.rollout_temperature,
+                    "batch_size": ecfg.rollout_batch, "seed": ecfg.rollout_seed, "chat_template": False},
+        "seed": args.seed, "threads": ecfg.threads, "save_every": ecfg.ckpt_every, "keep_checkpoints": 1,
+        "log_every": ecfg.log_every, "device": args.device, "export_dtype": "bfloat16",
+        "tensorboard": False, "stop_at_step": args.max_steps,
+    }
+    t0 = time.perf_counter()
+    try:  # training and the evaluations run on ExitConfig.threads: the metrics too are --threads-free
+        res = run_trainer(run_cfg)
+        if not res.complete:
+            print(f"exittrain: stopped at step {res.step}/{ecfg.steps} (--max-steps); rerun to resume",
+                  file=sys.stderr)
+            return None
+        train_s = round(time.perf_counter() - t0, 1)
+        torch.set_num_threads(ecfg.threads)
+        _, before = heldout_eval(args, out, out / "draft", dcfg, exit_budget=ecfg.budget)
+        drafter, ev = heldout_eval(args, out, res.final_dir, dcfg, exit_budget=ecfg.budget)
+    finally:
+        torch.set_num_threads(args.threads)
+    with open(work / "rollouts.jsonl", encoding="utf-8") as f:
+        n_rollouts = sum(1 for _ in f)
+    summary = {"params": sum(p.numel() for p in drafter.parameters()), "layers": dcfg.layers,
+               "block_size": dcfg.block_size, "target_layer_ids": list(dcfg.target_layer_ids),
+               "steps": ecfg.steps, "rollouts": n_rollouts,
+               "heldout_anchors": ev["anchors"], "heldout_ce_mean": round(ev["ce_mean"], 5),
+               "heldout_acc_mean": round(ev["acc_mean"], 5),
+               "heldout_accept_len_data": round(ev["accept_len_data"], 4),
+               "heldout_acc": _clean(ev["acc"], 4), "heldout_ce": _clean(ev["ce"], 4),
+               "heldout_block_len": {f"T{t:g}": round(ev[f"block_len_T{t:g}"], 4) for t in (0.0, 1.0)},
+               "before": {"heldout_acc_mean": round(before["acc_mean"], 5),
+                          "heldout_ce_mean": round(before["ce_mean"], 5),
+                          "heldout_block_len": {f"T{t:g}": round(before[f"block_len_T{t:g}"], 4) for t in (0.0, 1.0)}},
+               "wall_s": train_s, "device": next(drafter.parameters()).device.type, "threads": ecfg.threads,
+               "torch": torch.__version__}
+    tmp = fresh_tmp(out, "exittrain")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(res.final_dir / name, tmp / name)
+    write_json(tmp / "metrics.json", {**summary, "heldout": ev, "exittrain": dataclasses.asdict(ecfg)})
+    for name in ("train_log.jsonl", "config.yaml", "train_prompts.jsonl", "rollouts.jsonl.meta.json"):
+        if (work / name).exists():
+            shutil.copyfile(work / name, tmp / name)
+    write_json(tmp / "stage.json", {"fingerprint": fingerprint, "summary": summary})
+    publish(tmp, out / "exittrain")
+    shutil.rmtree(work)
+    print("exittrain: before -> after, held-out: mean acc {:.4f} -> {:.4f}; 1 + C_p (B = {}) T = 0 {:.4f} -> {:.4f}, "
+          "T = 1 {:.4f} -> {:.4f}".format(before["acc_mean"], ev["acc_mean"], ecfg.budget, before["block_len_T0"],
+                                         ev["block_len_T0"], before["block_len_T1"], ev["block_len_T1"]))
+    print_heldout("exittrain", ev)
     return summary
 
 
 # ---------------------------------------------------------------------------------------------
-# stage 4: bench (sglang_tev.hf.bench on HumanEval) and stage 5: ship (package data)
+# stage 5: bench (sglang_tev.hf.bench on HumanEval) and stage 6: ship (package data)
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
@@ -537,8 +712,8 @@ class BenchConfig:
     temperatures: tuple = (0.0, 1.0)
     max_new_tokens: int = 128
     # predraw/sequential follow the same law as tev (paper Theorem 1; tests/test_verify_exact.py)
-    # and at T = 0 the same token path, so the build measures tev only: the whole build stays
-    # under 90 minutes on 2 cores. `sglang-tev bench` runs all five methods by default.
+    # and at T = 0 the same token path, so the build measures tev only: the stage stays near
+    # 6 minutes on 2 cores instead of ~15. `sglang-tev bench` runs all five methods by default.
     methods: tuple = ("autoregressive", "chain", "tev")
 
 
@@ -555,25 +730,26 @@ def bench_config_for(cfg: Config) -> BenchConfig:
 
 def bench_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
     fp = {**dataclasses.asdict(bench_config_for(cfg)), "seed": seed,
-          "draft_sha256": sha256_file(out / "draft" / "model.safetensors"),
+          "draft_sha256": sha256_file(out / "exittrain" / "model.safetensors"),
           "target_sha256": sha256_file(out / "target" / "model.safetensors")}
     return json.loads(json.dumps(fp))  # tuples -> lists, as stage.json stores them
 
 
 def build_bench(args, cfg: Config, out: Path) -> dict | None:
-    """`sglang-tev bench --dataset humaneval` on the pair as shipped (bf16 files, loaded in fp32 on
-    CPU, bf16 on CUDA): every method, budget and temperature of BenchConfig."""
+    """`sglang-tev bench --dataset humaneval` on the pair as shipped (the target and the exittrain
+    stage's drafter; bf16 files, loaded in fp32 on CPU, bf16 on CUDA): every method, budget and
+    temperature of BenchConfig."""
     from sglang_tev.hf.bench import format_table, run_bench
     from sglang_tev.hf.datasets import load_humaneval
     from sglang_tev.hf.runtime import SpeculativeGenerator
 
-    if stage_record(out, "draft") is None:
-        raise UsageExit(f"argument --stages: 'bench' needs {out / 'draft'}; run the draft stage first")
+    if stage_record(out, "exittrain") is None:
+        raise UsageExit(f"argument --stages: 'bench' needs {out / 'exittrain'}; run the exittrain stage first")
     bcfg = bench_config_for(cfg)
     device = None if args.device == "auto" else args.device
-    gen = SpeculativeGenerator.from_pretrained(out / "target", out / "draft", device=device)
+    gen = SpeculativeGenerator.from_pretrained(out / "target", out / "exittrain", device=device)
     tmp = fresh_tmp(out, "bench")
-    cmd = (f"sglang-tev bench --target {out / 'target'} --draft {out / 'draft'} --dataset humaneval "
+    cmd = (f"sglang-tev bench --target {out / 'target'} --draft {out / 'exittrain'} --dataset humaneval "
            f"--limit {bcfg.limit} --budgets {','.join(map(str, bcfg.budgets))} "
            f"--temperatures {','.join(map(str, bcfg.temperatures))} --max-new-tokens {bcfg.max_new_tokens} "
            f"--methods {','.join(bcfg.methods)} --seed {args.seed} --repeats 1")
@@ -592,21 +768,27 @@ def build_bench(args, cfg: Config, out: Path) -> dict | None:
 
 
 def ship_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
-    return {"draft_sha256": sha256_file(out / "draft" / "model.safetensors"),
+    return {"draft_sha256": sha256_file(out / "exittrain" / "model.safetensors"),
+            "draft_base_sha256": sha256_file(out / "draft" / "model.safetensors"),
             "target_sha256": sha256_file(out / "target" / "model.safetensors")}
 
 
-SHIP_FILES = {"target": ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                         "tokenizer_config.json", "special_tokens_map.json", "metrics.json"),
-              "draft": ("config.json", "model.safetensors", "metrics.json")}
+# packaged dir -> (stage dir it is copied from, files)
+SHIP_FILES = {"target": ("target", ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                    "tokenizer_config.json", "special_tokens_map.json", "metrics.json")),
+              "draft": ("exittrain", ("config.json", "model.safetensors", "metrics.json")),
+              "draft-base": ("draft", ("config.json", "model.safetensors", "metrics.json"))}
 
 
 def model_card(out: Path) -> str:
     """The shipped pair's README, filled from the stages' measurements."""
     tok = stage_record(out, "tokenizer")["summary"]
     tgt = json.loads((out / "target" / "metrics.json").read_text())
-    drf = json.loads((out / "draft" / "metrics.json").read_text())
+    base = json.loads((out / "draft" / "metrics.json").read_text())
+    drf = json.loads((out / "exittrain" / "metrics.json").read_text())
     records = json.loads((out / "bench" / "results.json").read_text())
+    E = ExitConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in drf["exittrain"].items()})
+    bl, bl0 = drf["heldout_block_len"], drf["before"]["heldout_block_len"]
     meta = json.loads((out / "bench" / "meta.json").read_text())
     acc = drf["heldout_acc"]
     tc = json.loads((out / "target" / "config.json").read_text())
@@ -645,20 +827,29 @@ generated tables excluded): {tok.get("files_train", "?")} training files, {tok.g
 |---|---|---|---|
 | tokenizer | byte-level BPE, {tok.get("vocab", "?")} tokens, `<|endoftext|>` (EOS), `<|mask|>` (DFlash mask) | - | `target/tokenizer.json` |
 | target | Qwen3ForCausalLM, hidden {tc["hidden_size"]}, {tc["num_hidden_layers"]} layers, {tc["num_attention_heads"]}/{tc["num_key_value_heads"]} heads, tied embeddings, {tc["max_position_embeddings"]} positions | {tgt.get("params", "?"):,} | `target/model.safetensors` (bf16) |
-| drafter | DFlash, {drf["layers"]} layers, block size {drf["block_size"]}, target layers {drf["target_layer_ids"]} | {drf["params"]:,} | `draft/model.safetensors` (bf16, z-lab layout) |
+| drafter (default) | DFlash, {drf["layers"]} layers, block size {drf["block_size"]}, target layers {drf["target_layer_ids"]}, ExitTrain fine-tuned | {drf["params"]:,} | `draft/model.safetensors` (bf16, z-lab layout) |
+| drafter before ExitTrain | the same architecture | {base["params"]:,} | `draft-base/model.safetensors` (bf16, z-lab layout) |
 
 Training: the target is a causal LM on the training split ({tgt.get("steps", "?")} updates); the drafter is trained
 by `sglang_tev.train` on the frozen target's features, {FULL_DRAFT.steps} steps x {FULL_DRAFT.batch * FULL_DRAFT.anchors} blocks
 of {FULL_DRAFT.block_size} over {FULL_DRAFT.seq_len}-token windows, loss = soft-target CE against the target's own
 next-token distribution (`loss.distill_weight: {FULL_DRAFT.distill_weight:g}`, `loss.token_weight: {FULL_DRAFT.token_weight:g}`),
-decay gamma {FULL_DRAFT.gamma:g}, lr {FULL_DRAFT.lr:g} (recipe and its A/B: `docs/tiny-code.md`).
+decay gamma {FULL_DRAFT.gamma:g}, lr {FULL_DRAFT.lr:g} (recipe and its A/B: `docs/tiny-code.md`); that drafter
+is `draft-base/`. The default drafter `draft/` is `draft-base/` fine-tuned by ExitTrain: {drf.get("rollouts", E.prompts)} target
+rollouts (T = {E.rollout_temperature:g}, up to {E.rollout_max_new_tokens} tokens) of prompts cut from the training split, {E.steps} steps,
+loss = token CE on the responses + lambda {E.exit_lambda:g} x exit loss (`loss.exit.mode: {E.exit_mode}`, the paper's
+P(v)·rho(v) weights, computed under the target's T = {E.exit_temperature:g} law, budget {E.budget}), gamma {E.gamma:g},
+lr {E.lr:g}: arm D of the ExitTrain experiment, which beat `draft-base/` by +8 % tau at T = 0 on
+held-out prompts (`docs/exittrain.md`).
 
 ## Measured
 
 - Target held-out loss {tgt.get("heldout_loss", float("nan")):.3f} nats/token, perplexity {tgt.get("heldout_ppl", float("nan")):.1f}
   (bf16 weights computed in fp32).
 - Drafter held-out top-1 accuracy per depth 1..{len(acc)}: {", ".join(f"{a:.2f}" for a in acc)}
-  (mean CE {drf["heldout_ce_mean"]:.3f}).
+  (mean CE {drf["heldout_ce_mean"]:.3f}; before ExitTrain: mean accuracy {drf["before"]["heldout_acc_mean"]:.3f},
+  mean CE {drf["before"]["heldout_ce_mean"]:.3f}). Expected block length 1 + C_p of its budget-{E.budget} trees
+  on the held-out split: {bl["T0"]:.3f} at T = 0, {bl["T1"]:.3f} at T = 1 (before ExitTrain: {bl0["T0"]:.3f}, {bl0["T1"]:.3f}).
 - `sglang-tev bench` on the first {meta.get("prompts")} HumanEval prompts (up to {meta.get("max_new_tokens", 128)} new tokens each),
   the shipped bf16 files loaded in {meta.get("dtype")} on {meta.get("device")} ({meta["machine"].get("cpu_count")}-core
   {meta["machine"].get("platform")}, {meta["machine"].get("torch_threads")} threads, torch {meta["versions"]["torch"]},
@@ -683,18 +874,20 @@ Command: `{meta.get("command", "")}`
 ## Rebuild
 
 ```bash
-python scripts/build_tiny_code.py --out runs/tiny-code --threads 2      # tokenizer, target, draft, bench
+python scripts/build_tiny_code.py --out runs/tiny-code --threads 2      # tokenizer, target, draft, exittrain, bench
 python scripts/build_tiny_code.py --out runs/tiny-code --stages ship    # copy into sglang_tev/assets
 ```
 
-Seeded and resumable; about 75 minutes on a 2-core CPU (tokenizer 8 s, target ~43 min, drafter ~26 min, bench ~5.5 min). See `docs/tiny-code.md`.
+Seeded and resumable; about 2 hours on a 2-core CPU (tokenizer 8 s, target ~43 min, drafter ~26 min,
+ExitTrain ~50 min single-threaded (rollouts ~19 min, 600 steps), bench ~5.5 min). See `docs/tiny-code.md`.
 """
 
 
 def build_ship(args, cfg: Config, out: Path) -> dict | None:
-    """Copy the pair into the package (sglang_tev/assets/tiny-code/{target,draft}) through a temp dir
-    and one rename, plus OUTDIR/ship/stage.json. A --quick build is never shipped."""
-    for need in ("target", "draft", "bench"):
+    """Copy the pair into the package (sglang_tev/assets/tiny-code/{target,draft,draft-base}, see
+    SHIP_FILES) through a temp dir and one rename, plus OUTDIR/ship/stage.json. A --quick build is
+    never shipped."""
+    for need in ("target", "draft", "exittrain", "bench"):
         if stage_record(out, need) is None:
             raise UsageExit(f"argument --stages: 'ship' needs {out / need}; run the {need} stage first")
     if bench_config_for(cfg) is QUICK_BENCH:
@@ -702,10 +895,10 @@ def build_ship(args, cfg: Config, out: Path) -> dict | None:
     staging = ASSETS.parent / ".tiny-code.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     total = 0
-    for part, names in SHIP_FILES.items():
+    for part, (stage, names) in SHIP_FILES.items():
         (staging / part).mkdir(parents=True)
         for name in names:
-            src = out / part / name
+            src = out / stage / name
             if src.exists():
                 shutil.copyfile(src, staging / part / name)
                 total += src.stat().st_size
@@ -725,13 +918,14 @@ def build_ship(args, cfg: Config, out: Path) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# stage registry: name -> (builder, fingerprint). A "bench" stage would slot in here; each builder
-# writes OUTDIR/<name>/ atomically and returns a summary dict.
+# stage registry: name -> (builder, fingerprint), in build order; each builder writes
+# OUTDIR/<name>/ atomically and returns a summary dict.
 
 STAGES = {
     "tokenizer": (build_tokenizer, lambda cfg, seed, out: tokenizer_fingerprint(cfg, seed)),
     "target": (build_target, target_fingerprint),
     "draft": (build_draft, draft_fingerprint),
+    "exittrain": (build_exittrain, exittrain_fingerprint),
     "bench": (build_bench, bench_fingerprint),
     "ship": (build_ship, ship_fingerprint),
 }
@@ -742,7 +936,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/tiny-code"), help="output dir (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, init and data order (default: 0)")
-    p.add_argument("--stages", default="tokenizer,target,draft,bench",
+    p.add_argument("--stages", default="tokenizer,target,draft,exittrain,bench",
                    help="comma-separated stages to run, in order (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny vocab, model and budget (tests, smoke runs)")
     p.add_argument("--force", action="store_true", help="rebuild the selected stages even when complete")
@@ -750,7 +944,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if present")
     p.add_argument("--max-files", type=int, help="use N evenly spaced stdlib files (default: all; --quick: 24)")
     p.add_argument("--max-steps", type=int,
-                   help="stop the target (or draft) stage after N updates, checkpointed; a later run resumes")
+                   help="stop the target, draft or exittrain stage after N updates, checkpointed; a later run resumes")
+    p.add_argument("--from-assets", action="store_true",
+                   help="take the target and draft stages from the packaged pair (draft-base/: the drafter "
+                        "before ExitTrain) instead of training them; needs a complete tokenizer stage equal "
+                        "to the packaged tokenizer")
     args = p.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
@@ -771,10 +969,50 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
         import torch
         if not torch.cuda.is_available():
             p.error("argument --device: cuda requested but torch.cuda.is_available() is False")
+    if args.from_assets:  # the packaged pair is the full, seed-0 build
+        if args.quick or args.max_files is not None:
+            p.error("argument --from-assets: the packaged pair is a full build; not with --quick or --max-files")
+        if args.seed != 0:
+            p.error(f"argument --from-assets: the packaged pair was built with seed 0, not {args.seed}")
+        if args.force and {"target", "draft"} & set(args.stages):
+            p.error("argument --from-assets: --force would retrain the adopted target/draft stages; "
+                    "leave them out of --stages")
     cfg = QUICK if args.quick else FULL
     if args.max_files is not None:
         cfg = dataclasses.replace(cfg, max_files=args.max_files)
     return args, cfg
+
+
+def adopt_assets(args, cfg: Config, out: Path) -> None:
+    """--from-assets: make the target and draft stages hold the packaged target and drafter
+    before ExitTrain (``draft-base/``; ``draft/`` in a package that predates it), stamped with the
+    fingerprints a seed-0 build of the full config gives them. A stage already complete must hold
+    the packaged weights. Raises UsageExit naming --from-assets."""
+    if stage_record(out, "tokenizer") is None:
+        raise UsageExit(f"argument --from-assets: needs {out / 'tokenizer'}; run the tokenizer stage first")
+    if sha256_file(out / "tokenizer" / "tokenizer.json") != sha256_file(ASSETS / "target" / "tokenizer.json"):
+        raise UsageExit(f"argument --from-assets: {out / 'tokenizer' / 'tokenizer.json'} differs from the packaged "
+                        "tokenizer; the packaged pair was built from another tokenizer stage")
+    base = ASSETS / "draft-base" if (ASSETS / "draft-base").is_dir() else ASSETS / "draft"
+    if "exittrain" in json.loads((base / "metrics.json").read_text()):
+        raise UsageExit(f"argument --from-assets: {base} is an ExitTrain drafter, not the draft stage's")
+    for stage, src, fingerprint in (("target", ASSETS / "target", target_fingerprint),
+                                    ("draft", base, draft_fingerprint)):
+        if stage_record(out, stage) is not None:
+            if sha256_file(out / stage / "model.safetensors") != sha256_file(src / "model.safetensors"):
+                raise UsageExit(f"argument --from-assets: {out / stage} is not the packaged {src.name}/; "
+                                "choose another --out")
+            continue
+        tmp = fresh_tmp(out, stage)
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+        summary = {k: v for k, v in json.loads((src / "metrics.json").read_text()).items() if k != "heldout"}
+        summary["adopted_from"] = str(src)
+        # both fingerprints read earlier stages only (tokenizer; target), never this one
+        write_json(tmp / "stage.json", {"fingerprint": fingerprint(cfg, 0, out), "summary": summary})
+        publish(tmp, out / stage)
+        print(f"{stage}: adopted from {src}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict | None]:
@@ -798,12 +1036,19 @@ def _main(argv: list[str] | None) -> dict[str, dict | None]:
     results: dict[str, tuple[str, float, dict | None]] = {}
     for name in args.stages:
         build, fingerprint = STAGES[name]
+        if args.from_assets and name != "tokenizer":
+            adopt_assets(args, cfg, out)  # after the tokenizer stage, which it checks
         if args.force:
             shutil.rmtree(out / name, ignore_errors=True)
             shutil.rmtree(out / f"{name}.work", ignore_errors=True)
         rec = stage_record(out, name)
         if rec is not None:
-            if rec["fingerprint"] != fingerprint(cfg, args.seed, out):
+            try:
+                now = fingerprint(cfg, args.seed, out)
+            except FileNotFoundError as e:  # a stage this one was built from is gone
+                raise UsageExit(f"argument --stages: '{name}' in {out} was built from {e.filename}, which is "
+                                "missing; rebuild that stage or choose another --out") from None
+            if rec["fingerprint"] != now:
                 raise UsageExit(f"argument --out: {out / name} was built with another config "
                                  f"or seed; pass --force to rebuild it or choose another --out")
             results[name] = ("skipped (complete)", 0.0, rec["summary"])
@@ -813,6 +1058,8 @@ def _main(argv: list[str] | None) -> dict[str, dict | None]:
         results[name] = ("built" if summary else "interrupted", time.perf_counter() - t0, summary)
         if summary is None:
             break  # later stages need this one
+    if args.from_assets and args.stages == ["tokenizer"]:
+        adopt_assets(args, cfg, out)
 
     print(f"\n{'stage':<10} {'status':<19} {'wall':>8}  measured")
     for name, (status, wall, s) in results.items():

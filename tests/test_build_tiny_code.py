@@ -258,9 +258,12 @@ def test_model_card_is_filled_from_the_measurements(ref):
     card = btc.model_card(out)
     assert "| tev | 4 | 0 |" in card and "PSF" in card
     assert f"{summary['target']['params']:,}" in card
+    assert "`draft-base/model.safetensors`" in card and "ExitTrain" in card  # both drafters
+    assert f"{summary['exittrain']['heldout_block_len']['T0']:.3f} at T = 0" in card
 
 
-@pytest.mark.parametrize("stage, needs", [("target", "tokenizer"), ("draft", "target"), ("bench", "draft")])
+@pytest.mark.parametrize("stage, needs", [("target", "tokenizer"), ("draft", "target"), ("exittrain", "draft"),
+                                         ("bench", "exittrain")])
 def test_stage_out_of_order_exits_2(stage, needs, tmp_path):
     """A stage run before the one it reads is a bad --stages value: status 2 and one line, as the
     docs say for bad arguments (in-process: SystemExit with code 2 and the message)."""
@@ -272,3 +275,143 @@ def test_stage_out_of_order_exits_2(stage, needs, tmp_path):
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == (f"build_tiny_code.py: error: argument --stages: '{stage}' needs "
                                 f"{tmp_path / 'p' / needs}; run the {needs} stage first"), p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# stage `exittrain` (rollouts + sglang_tev.train with the exit loss) and what ships
+
+def test_exittrain_stage_fine_tunes_the_draft_stage_drafter(ref):
+    from sglang_tev.draft.dflash import DFlashDraftModel
+    from sglang_tev.hf.runtime import SpeculativeGenerator
+    out, summary = ref
+    E = btc.QUICK_EXIT
+    assert not (out / "exittrain_train").exists()
+    metrics = json.loads((out / "exittrain" / "metrics.json").read_text())
+    assert {k: v for k, v in metrics.items() if k not in ("heldout", "exittrain")} == summary["exittrain"]
+    assert metrics["exittrain"] == json.loads(json.dumps(btc.dataclasses.asdict(E)))
+    assert summary["exittrain"]["rollouts"] == E.prompts and summary["exittrain"]["steps"] == E.steps
+    # the trainer ran the stage's loss on the stage's rollouts
+    cfg = (out / "exittrain" / "config.yaml").read_text()
+    for want in (f"mode: {E.exit_mode}", f"lambda: {E.exit_lambda}", f"temperature: {E.exit_temperature}",
+                 "distill_weight: 0.0", str(out / "draft")):
+        assert want in cfg, want
+    log = [json.loads(ln) for ln in (out / "exittrain" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, E.steps + 1))
+    assert any(r["loss_exit"] > 0 for r in log)  # the exit term was on (0 where no tree reached the target)
+    prompts = [json.loads(ln) for ln in (out / "exittrain" / "train_prompts.jsonl").read_text().splitlines()]
+    split = json.loads((out / "tokenizer" / "split.json").read_text())
+    assert len(prompts) == E.prompts and {r["id"].rsplit(":", 1)[0] for r in prompts} <= set(split["train"])
+    # bf16 as shipped, changed by training, same architecture; before/after measured on held-out data
+    base = DFlashDraftModel.from_pretrained(out / "draft")
+    tuned = DFlashDraftModel.from_pretrained(out / "exittrain")
+    assert tuned.fc.weight.dtype == torch.bfloat16 and tuned.config.to_dict() == base.config.to_dict()
+    assert any(not torch.equal(a, b) for a, b in zip(base.state_dict().values(), tuned.state_dict().values()))
+    for part in (summary["exittrain"], summary["exittrain"]["before"]):
+        assert set(part["heldout_block_len"]) == {"T0", "T1"}
+        assert all(1.0 <= v <= 1 + E.budget for v in part["heldout_block_len"].values())
+    # the bench stage measured this drafter, and it stays lossless
+    assert f"--draft {out / 'exittrain'}" in json.loads((out / "bench" / "meta.json").read_text())["command"]
+    gen = SpeculativeGenerator.from_pretrained(out / "target", out / "exittrain", device="cpu")
+    want = gen.generate("import os\n", method="autoregressive", max_new_tokens=16, ignore_eos=True).token_ids
+    assert gen.generate("import os\n", method="tev", budget=8, max_new_tokens=16, ignore_eos=True).token_ids == want
+
+
+def test_exittrain_stage_resumes_bit_identically(ref, tmp_path):
+    out, summary = ref
+    dst = with_tokenizer(out, tmp_path)
+    for stage in ("target", "draft"):
+        shutil.copytree(out / stage, dst / stage)
+    first = run(dst, "--stages", "exittrain", "--max-steps", "1")
+    assert first["exittrain"] is None and not (dst / "exittrain").exists()
+    assert (dst / "exittrain_train" / "rollouts.jsonl").exists()
+    # the stage pins one thread, so another --threads resumes it (and does not change the bytes)
+    second = btc.main(["--quick", "--threads", "2", "--max-files", "12", "--out", str(dst), "--stages", "exittrain"])
+    torch.set_num_threads(1)
+    assert second["exittrain"] == summary["exittrain"] | {"wall_s": second["exittrain"]["wall_s"]}
+    assert (dst / "exittrain/model.safetensors").read_bytes() == (out / "exittrain/model.safetensors").read_bytes()
+
+
+def test_exittrain_stage_refuses_leftovers_of_another_drafter(ref, tmp_path):
+    out, _ = ref
+    dst = with_tokenizer(out, tmp_path)
+    for stage in ("target", "draft"):
+        shutil.copytree(out / stage, dst / stage)
+    (dst / "exittrain_train").mkdir()
+    (dst / "exittrain_train" / "stage_fingerprint.json").write_text('{"draft_sha256": "0"}')
+    with pytest.raises(SystemExit, match="--force"):
+        run(dst, "--stages", "exittrain")
+    assert not (dst / "exittrain").exists()
+
+
+def test_ship_copies_the_exittrain_drafter_as_draft_and_the_base_as_draft_base(ref, tmp_path, monkeypatch):
+    out, _ = ref
+    full = tmp_path / "full"
+    shutil.copytree(out, full)
+    monkeypatch.setattr(btc, "ASSETS", tmp_path / "assets" / "tiny-code")
+    monkeypatch.setattr(btc, "bench_config_for", lambda cfg: btc.FULL_BENCH)  # ship the quick pair here
+    btc.build_ship(btc.argparse.Namespace(seed=0), btc.FULL, full)
+    shipped = tmp_path / "assets" / "tiny-code"
+    for part, stage in (("draft", "exittrain"), ("draft-base", "draft"), ("target", "target")):
+        assert (shipped / part / "model.safetensors").read_bytes() == (full / stage / "model.safetensors").read_bytes()
+    assert "exittrain" in json.loads((shipped / "draft" / "metrics.json").read_text())
+    assert (shipped / "README.md").read_text() == btc.model_card(full)
+
+
+def test_from_assets_adopts_the_packaged_pair(tmp_path, monkeypatch, capsys):
+    """Full-size tokenizer stage (~10 s) and --from-assets in one command: target and draft stages
+    hold the packaged files, and the stage loop accepts them as complete seed-0 stages."""
+    out = tmp_path / "o"
+    btc.main(["--threads", "1", "--out", str(out), "--stages", "tokenizer"])
+    assets = btc.ASSETS
+    if btc.sha256_file(out / "tokenizer" / "tokenizer.json") != btc.sha256_file(assets / "target" / "tokenizer.json"):
+        pytest.skip("this interpreter's stdlib gives another tokenizer than the packaged one")
+    base = assets / "draft-base" if (assets / "draft-base").is_dir() else assets / "draft"
+    capsys.readouterr()
+    res = btc.main(["--threads", "1", "--out", str(out), "--stages", "tokenizer,target,draft", "--from-assets"])
+    printed = capsys.readouterr().out
+    assert "target: adopted from" in printed and "draft: adopted from" in printed
+    for stage, src in (("target", assets / "target"), ("draft", base)):
+        assert (out / stage / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+        assert f"\n{stage:<10} skipped (complete)" in printed  # fingerprints equal a seed-0 build's
+        assert res[stage]["adopted_from"] == str(src)
+    assert "exittrain" not in btc.stage_record(out, "draft")["summary"]
+    mtime = (out / "draft" / "stage.json").stat().st_mtime_ns
+    btc.main(["--threads", "1", "--out", str(out), "--stages", "draft", "--from-assets"])  # idempotent
+    assert (out / "draft" / "stage.json").stat().st_mtime_ns == mtime
+    # refusals: one line naming the argument, nothing written
+    for argv, msg in ((["--seed", "1"], "seed 0"), (["--quick"], "--quick"),
+                      (["--stages", "draft", "--force"], "--force")):
+        with pytest.raises(SystemExit) as e:
+            btc.main(["--threads", "1", "--out", str(out), "--from-assets", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --from-assets" in err and msg in err, err
+    assert (out / "draft" / "stage.json").stat().st_mtime_ns == mtime
+    with pytest.raises(SystemExit, match="argument --from-assets: needs"):
+        btc.main(["--threads", "1", "--out", str(tmp_path / "none"), "--stages", "exittrain", "--from-assets"])
+    assert not (tmp_path / "none" / "target").exists()
+    # a stage that is not the packaged one is not silently used
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    (other / "draft" / "model.safetensors").write_bytes(b"not the packaged drafter")
+    with pytest.raises(SystemExit, match="argument --from-assets: .*is not the packaged"):
+        btc.main(["--threads", "1", "--out", str(other), "--stages", "draft", "--from-assets"])
+    # a package whose only drafter is an ExitTrain one cannot stand in for the draft stage
+    fake = tmp_path / "pkg" / "tiny-code"
+    shutil.copytree(assets / "target", fake / "target")
+    shutil.copytree(base, fake / "draft")
+    m = json.loads((fake / "draft" / "metrics.json").read_text())
+    (fake / "draft" / "metrics.json").write_text(json.dumps({**m, "exittrain": {}}))
+    monkeypatch.setattr(btc, "ASSETS", fake)
+    shutil.rmtree(out / "draft")
+    with pytest.raises(SystemExit, match="ExitTrain drafter"):
+        btc.main(["--threads", "1", "--out", str(out), "--stages", "draft", "--from-assets"])
+    assert not (out / "draft").exists()
+
+
+def test_a_stage_whose_input_stage_is_gone_is_one_line(ref, tmp_path):
+    out, _ = ref
+    dst = tmp_path / "o"
+    shutil.copytree(out, dst)
+    shutil.rmtree(dst / "exittrain")
+    with pytest.raises(SystemExit, match="argument --stages: 'bench' .* missing"):
+        run(dst, "--stages", "bench")

@@ -40,7 +40,7 @@ def test_prompts_are_cut_at_line_starts_from_the_given_files_only(X, tmp_path):
         assert text[:cut].endswith(r["prompt"]) and r["prompt"].endswith("\n")
         assert 0 < len(r["prompt"]) <= 300 and (cut - len(r["prompt"]) == 0 or text[cut - len(r["prompt"]) - 1] == "\n")
     assert {r["id"].rsplit(":", 1)[0] for r in a[:3]} == set(files)                # round-robin over files
-    with pytest.raises(SystemExit, match="only"):
+    with pytest.raises(ValueError, match="^n: only"):
         X.cut_prompts(tmp_path, files, 10_000, seed=0, max_chars=300)
 
 
@@ -221,3 +221,23 @@ def test_only_one_of_report_collect_and_data_only(X, tmp_path, capsys):
     assert e.value.code == 2
     assert "not allowed with" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_build_scripts_exittrain_stage_is_arm_d_as_measured(X):
+    """The package's default drafter is made by scripts/build_tiny_code.py's exittrain stage; its
+    recipe must be the experiment's arm D (design, arm and the λ the experiment measured)."""
+    spec = importlib.util.spec_from_file_location("build_tiny_code", ROOT / "scripts" / "build_tiny_code.py")
+    btc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = btc
+    spec.loader.exec_module(btc)
+    E, D = btc.FULL_EXIT, X.DESIGN
+    pairs = {"prompts": "train_prompts", "prompt_chars": "prompt_chars", "prompt_seed": "prompt_seed",
+             "rollout_max_new_tokens": "rollout_max_new_tokens", "rollout_temperature": "rollout_temperature",
+             "rollout_batch": "rollout_batch_size", "rollout_seed": "rollout_seed", "steps": "steps", "lr": "lr",
+             "warmup": "warmup_steps", "min_lr_frac": "min_lr_ratio", "seq_len": "seq_len", "batch": "batch_size",
+             "anchors": "num_anchors", "gamma": "loss_decay_gamma", "token_weight": "token_weight",
+             "budget": "budget", "threads": "threads"}
+    assert {k: getattr(E, k) for k in pairs} == {k: D[v] for k, v in pairs.items()}
+    assert D["distill_weight"] == 0.0 and (E.exit_mode, E.exit_temperature) == X.ARMS["D"]
+    results = json.loads((ROOT / "benchmarks" / "results" / "exittrain-experiment.json").read_text())
+    assert E.exit_lambda == results["lambda"]["lambda"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 from .config import ConfigError, RolloutConfig, config_to_dict
 from .data import jsonl_rows
 
-__all__ = ["check_prompt_file", "read_prompts", "rollout_settings", "cache_path", "ensure_rollouts"]
+__all__ = ["check_prompt_file", "read_prompts", "rollout_settings", "cache_path", "ensure_rollouts", "cut_prompts"]
 
 KEY = "rollout.prompts"
 
@@ -236,3 +237,46 @@ def ensure_rollouts(target, tokenizer, cfg: RolloutConfig, target_path: str | os
         bar.close()
         target.train(was_training)
     return path
+
+
+def cut_prompts(root: str | os.PathLike, files: list[str], n: int, seed: int, max_chars: int) -> list[dict]:
+    """``n`` rollout prompts cut from source files: each is the text before a seeded random line
+    start (at least 5 lines and 200 characters into its file), beginning at the first line start
+    at most ``max_chars`` characters earlier. Files (paths relative to ``root``) are visited
+    round-robin in a seeded order; each cut point is used once, so a longer list extends a
+    shorter one with the same ``seed`` without changing its head. Unreadable or non-UTF-8 files
+    are skipped.
+
+    Returns rows ``{"id": "<file>:<line>", "prompt": str}`` (the ``rollout.prompts`` format).
+    Raises ``ValueError`` naming ``n`` when the files hold fewer than ``n`` cut points.
+    """
+    rng = random.Random(seed)
+    order = list(files)
+    rng.shuffle(order)
+    cuts = {}
+    for rel in order:
+        try:
+            text = (Path(root) / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        starts, off = [], 0
+        for line in text.splitlines(keepends=True):
+            starts.append(off)
+            off += len(line)
+        cand = [i for i in range(5, len(starts)) if starts[i] >= 200 and text[starts[i]:starts[i] + 1].strip()]
+        rng.shuffle(cand)
+        if cand:
+            cuts[rel] = (text, starts, cand)
+    out = []
+    while len(out) < n and any(c[2] for c in cuts.values()):
+        for rel in order:
+            if rel not in cuts or not cuts[rel][2] or len(out) >= n:
+                continue
+            text, starts, cand = cuts[rel]
+            i = cand.pop()
+            end = starts[i]
+            begin = next(s for s in starts if s >= end - max_chars)
+            out.append({"id": f"{rel}:{i + 1}", "prompt": text[begin:end]})
+    if len(out) < n:
+        raise ValueError(f"n: only {len(out)} prompts could be cut from {len(files)} files, {n} wanted")
+    return out
