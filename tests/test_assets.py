@@ -29,11 +29,23 @@ def test_files_are_small_bf16_safetensors():
     assert total <= 25 * 2**20, total
     from safetensors import safe_open
 
-    for part in ("target", "draft"):
+    for part in ("target", "draft", "draft-base"):
         with safe_open(str(ASSETS / part / "model.safetensors"), "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = json.loads((ASSETS / "draft" / "config.json").read_text())
     assert cfg["block_size"] == 16 and cfg["architectures"] == ["DFlashDraftModel"]
+
+
+def test_default_drafter_is_the_exittrain_fine_tune_of_draft_base():
+    """draft/ is draft-base/ continued by the build's exittrain stage: same architecture, other
+    weights, and its metrics record the ExitTrain recipe and the before/after held-out 1 + C_p."""
+    cfgs = [json.loads((ASSETS / d / "config.json").read_text()) for d in ("draft", "draft-base")]
+    assert cfgs[0] == cfgs[1]
+    assert (ASSETS / "draft" / "model.safetensors").read_bytes() != (ASSETS / "draft-base" / "model.safetensors").read_bytes()
+    m = json.loads((ASSETS / "draft" / "metrics.json").read_text())
+    assert m["exittrain"]["exit_mode"] == "exit" and m["exittrain"]["exit_temperature"] == 0.0
+    assert m["heldout_block_len"]["T0"] > m["before"]["heldout_block_len"]["T0"]
+    assert "exittrain" not in json.loads((ASSETS / "draft-base" / "metrics.json").read_text())
 
 
 def test_greedy_identical_to_plain_decoding(gen):
