@@ -891,7 +891,7 @@ python scripts/build_tiny_code.py --out runs/tiny-code --stages ship    # copy i
 ```
 
 Seeded and resumable; about 2 hours on a 2-core CPU (tokenizer 8 s, target ~43 min, drafter ~26 min,
-ExitTrain ~50 min single-threaded (rollouts ~19 min, 600 steps), bench ~5.5 min). See `docs/tiny-code.md`.
+ExitTrain single-threaded: rollouts 19-36 min and 600 steps ~35-63 min, bench ~6-17 min). See `docs/tiny-code.md`.
 """
 
 
@@ -1044,6 +1044,15 @@ def _main(argv: list[str] | None) -> dict[str, dict | None]:
     torch.set_num_threads(args.threads)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+
+    # complete stages that the selected ones read must come from this config and seed too (a
+    # --quick folder must not be continued, or shipped, by a full-size command)
+    order = list(STAGES)
+    for name in order[:max(order.index(n) for n in args.stages)]:
+        rec = stage_record(out, name)
+        if name not in args.stages and rec is not None and rec["fingerprint"] != STAGES[name][1](cfg, args.seed, out):
+            raise UsageExit(f"argument --out: {out / name} was built with another config or seed (--quick, "
+                            "--max-files, --seed); give the same ones or choose another --out")
 
     results: dict[str, tuple[str, float, dict | None]] = {}
     for name in args.stages:

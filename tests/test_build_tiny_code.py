@@ -251,6 +251,12 @@ def test_quick_build_is_never_shipped(ref, monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="--quick"):
         run(out, "--stages", "ship")
     assert not (tmp_path / "assets").exists()
+    # nor by a full-size command pointed at the quick folder
+    with pytest.raises(SystemExit, match="argument --out: .*another config"):
+        btc.main(["--threads", "1", "--out", str(out), "--stages", "ship"])
+    with pytest.raises(SystemExit, match="argument --out: .*another config"):
+        btc.main(["--threads", "1", "--out", str(out), "--stages", "exittrain"])
+    assert not (tmp_path / "assets").exists()
 
 
 def test_model_card_is_filled_from_the_measurements(ref):
