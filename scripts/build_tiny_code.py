@@ -436,10 +436,14 @@ QUICK_DRAFT = DraftConfig(layers=1, intermediate=96, target_layer_ids=(0,), seq_
                           eval_stride=4)
 
 
+def is_quick(cfg: Config) -> bool:
+    """Whether ``cfg`` is the --quick config (whatever --max-files): later stages pick their quick size by it."""
+    return dataclasses.replace(cfg, max_files=None) == dataclasses.replace(QUICK, max_files=None)
+
+
 def draft_config_for(cfg: Config) -> DraftConfig:
     """QUICK_DRAFT for a --quick build (whatever --max-files), else FULL_DRAFT."""
-    same = dataclasses.replace(cfg, max_files=None) == dataclasses.replace(QUICK, max_files=None)
-    return QUICK_DRAFT if same else FULL_DRAFT
+    return QUICK_DRAFT if is_quick(cfg) else FULL_DRAFT
 
 
 def draft_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
@@ -609,8 +613,7 @@ QUICK_EXIT = ExitConfig(prompts=8, prompt_chars=120, rollout_max_new_tokens=32, 
 
 
 def exit_config_for(cfg: Config) -> ExitConfig:
-    same = dataclasses.replace(cfg, max_files=None) == dataclasses.replace(QUICK, max_files=None)
-    return QUICK_EXIT if same else FULL_EXIT
+    return QUICK_EXIT if is_quick(cfg) else FULL_EXIT
 
 
 def exittrain_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
@@ -724,8 +727,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "sglang_tev" / "assets" / "tin
 
 
 def bench_config_for(cfg: Config) -> BenchConfig:
-    same = dataclasses.replace(cfg, max_files=None) == dataclasses.replace(QUICK, max_files=None)
-    return QUICK_BENCH if same else FULL_BENCH
+    return QUICK_BENCH if is_quick(cfg) else FULL_BENCH
 
 
 def bench_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
