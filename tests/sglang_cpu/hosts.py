@@ -53,6 +53,15 @@ def tev_kwargs(tree_size: int, **extra) -> dict:
     return kw
 
 
+def dflash_kwargs(**extra) -> dict:
+    """Engine kwargs for SGLang's own DFLASH (chain drafts) with the shipped drafter on
+    ``tev_cpu``; the block size comes from the drafter's config (``block_size`` 16), as SGLang
+    infers it when ``speculative_num_draft_tokens`` is unset (``speculative_hook.py:388-426``)."""
+    kw = dict(BASE, speculative_algorithm="DFLASH", speculative_draft_model_path=DRAFT, attention_backend="tev_cpu")
+    kw.update(extra)
+    return kw
+
+
 def plain_kwargs(**extra) -> dict:
     kw = dict(BASE, attention_backend="tev_cpu")
     kw.update(extra)

@@ -263,7 +263,15 @@ class _PatchedLoader(importlib.abc.Loader):
 def _patch_speculative_hook(mod) -> None:
     """``srt/arg_groups/speculative_hook.py:291-301`` (``_handle_dflash``) refuses DFLASH-family
     algorithms unless the device is cuda/npu/xpu; on ``--device cpu`` the check is answered yes
-    (the rest of ``_handle_dflash`` runs unchanged)."""
+    (the rest of ``_handle_dflash`` runs unchanged).
+
+    The answer comes from a platform that calls itself out-of-tree for the duration of the call,
+    so ``_resolve_dflash_draft_attention_backend`` (``speculative_hook.py:886-987``, called from
+    ``_handle_dflash`` at line 436) asks that platform too: which draft backends it supports
+    (lines 897-900) and, when the target's backend is not one of them, which one to fall back to
+    (lines 904-922). Both are answered as the in-tree branch answers them, except for the
+    fallback: the in-tree one is FlashInfer (lines 923-928), which is CUDA-only, so on a CPU it is
+    ``tev_cpu``, the one draft backend that runs here."""
     orig = mod._handle_dflash
 
     class _CpuCanDflash:
@@ -275,6 +283,15 @@ def _patch_speculative_hook(mod) -> None:
 
         def supports_speculative_algorithm(self, algorithm):
             return True
+
+        def supports_speculative_draft_attention_backend(self, algorithm, backend):
+            # the in-tree rule, speculative_hook.py:901: any name in the draft choices
+            from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+
+            return backend in DRAFT_ATTENTION_BACKEND_CHOICES
+
+        def get_default_speculative_draft_attention_backend(self, algorithm):
+            return "tev_cpu"
 
         def __getattr__(self, name):
             return getattr(self._real, name)
