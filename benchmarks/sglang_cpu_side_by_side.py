@@ -11,8 +11,10 @@ same number of tokens). Per mode:
 * **alone**: each prompt in its own call, one after another, wall time of each call.
 
 Reported per mode: tokens per round (mean tokens a verify round commits, accepted drafts + the
-bonus, pooled over every round of the batch: TEV's per-round ``meta_info["tev_accept_length"]``;
-for DFLASH ``1 + spec_num_correct_drafts / spec_verify_ct``, summed over requests), SGLang's own
+bonus, pooled over every round of the batch: ``1 + spec_num_correct_drafts / spec_verify_ct``
+summed over requests, SGLang's counter of each round's ``accept_lens``, the same for DFLASH and
+TEV; TEV's per-round ``meta_info["tev_accept_length"]`` holds the same numbers but loses rounds
+on long requests, see :func:`tokens_per_round`), SGLang's own
 ``spec_accept_length`` (``completion_tokens / spec_verify_ct``, which also counts the prefill's
 token and the cut at ``max_new_tokens``; ``tokenizer_manager.py:3166``), output tokens/s of the
 batch and of requests alone (median over prompts), and whether the greedy ids equal plain
@@ -141,22 +143,34 @@ def versions() -> dict:
 
 
 def tokens_per_round(metas: list[dict]) -> dict:
-    """Pooled tokens per verify round (accepted drafts + bonus) and SGLang's accept length."""
+    """Pooled tokens per verify round (accepted drafts + bonus), SGLang's accept length, and how
+    much of TEV's per-round ``tev_accept_length`` list reached ``meta_info``.
+
+    The figure is SGLang's own counter for every speculative mode: each round adds its
+    ``accept_lens`` entry - 1 to ``spec_num_correct_drafts`` and 1 to ``spec_verify_ct``
+    (``batch_result_processor.py:785-836``); TEV hands SGLang ``accept_lens = commit_lens``, the
+    same numbers as its ``tev_accept_length``. The list itself is not used: SGLang slices a
+    request's ``customized_info`` by output-token offsets at every incremental send
+    (``output_streamer.py:706-707``, ``req_values[send_token_offset:len(output_ids)]``), which
+    drops the rounds of a per-round list after the first send of a long request."""
     out = {}
-    tev = [a for m in metas for a in (m.get("tev_accept_length") or [])]
-    if tev:
-        out["rounds"] = len(tev)
-        out["tokens_per_round"] = sum(tev) / len(tev)
     verify = sum(int(m.get("spec_verify_ct") or 0) for m in metas)
     if verify:
         completion = sum(int(m["completion_tokens"]) for m in metas)
-        out["spec_verify_ct"] = verify
+        out["rounds"] = verify
+        out["tokens_per_round"] = 1 + sum(int(m.get("spec_num_correct_drafts") or 0) for m in metas) / verify
         out["spec_accept_length"] = completion / verify  # SGLang's definition, pooled
-        # SGLang's counter of the same rounds: accept_lens - 1 summed (batch_result_processor.py:785)
-        out["tokens_per_round_sglang_counter"] = 1 + sum(int(m.get("spec_num_correct_drafts") or 0) for m in metas) / verify
-        if not tev:
-            out["rounds"] = verify
-            out["tokens_per_round"] = out["tokens_per_round_sglang_counter"]
+    lists = [m["tev_accept_length"] for m in metas if "tev_accept_length" in m]
+    if lists:
+        tev = [a for t in lists for a in t]
+        out["tev_accept_length_rounds"] = len(tev)
+        out["tev_accept_length_mean"] = sum(tev) / len(tev) if tev else None
+        out["tev_accept_length_complete_requests"] = sum(
+            len(m["tev_accept_length"]) == int(m.get("spec_verify_ct") or -1) for m in metas if "tev_accept_length" in m)
+        full = [m for m in metas if "tev_accept_length" in m and len(m["tev_accept_length"]) == int(m.get("spec_verify_ct") or -1)]
+        # where the list is complete it must agree with SGLang's counter round for round
+        out["tev_accept_length_agrees_where_complete"] = all(
+            sum(m["tev_accept_length"]) == m["spec_verify_ct"] + m["spec_num_correct_drafts"] for m in full)
     return out
 
 
@@ -254,13 +268,14 @@ def fmt(x, spec=".2f"):
 
 def table(result: dict) -> str:
     lines = [
-        "| mode | verify tokens / round | tokens per round | SGLang `spec_accept_length` | batch tok/s | "
-        "alone tok/s (median) | greedy = plain (batch) | greedy = plain (alone) | Engine start s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | verify tokens / round | tokens per round | SGLang `spec_accept_length` | verify rounds | "
+        "`tev_accept_length` rounds returned | batch tok/s | alone tok/s (median) | greedy = plain (batch) | "
+        "greedy = plain (alone) | Engine start s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rec in result["modes"]:
         if "error" in rec:
-            lines.append(f"| {rec['label']} | failed: {rec['error'][:80]} |||||||| ")
+            lines.append(f"| {rec['label']} | failed: {rec['error'][:80]} |" + " |" * 9)
             continue
         n = (rec.get("server") or {}).get("speculative_num_draft_tokens") if rec["mode"] != "plain" else 1
         def eq(key):
@@ -274,7 +289,8 @@ def table(result: dict) -> str:
             return s
         lines.append(
             f"| {rec['label']} | {n} | {fmt(rec['batch'].get('tokens_per_round', 1.0 if rec['mode'] == 'plain' else None))} | "
-            f"{fmt(rec['batch'].get('spec_accept_length'))} | {rec['batch_tok_s']:.1f} | {rec['alone_tok_s_median']:.1f} | "
+            f"{fmt(rec['batch'].get('spec_accept_length'))} | {rec['batch'].get('rounds', '-')} | "
+            f"{rec['batch'].get('tev_accept_length_rounds', '-')} | {rec['batch_tok_s']:.1f} | {rec['alone_tok_s_median']:.1f} | "
             f"{eq('equal_plain_batch')} | {eq('equal_plain_alone')} | {rec['start_s']:.0f} |"
         )
     return "\n".join(lines)

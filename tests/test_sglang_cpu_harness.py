@@ -40,6 +40,11 @@ def test_token_pool_ops_match_a_loop():
     out = torch.empty(5, dtype=torch.int64)
     H.assign_extend_cache_locs_cpu(idx, req_to_token, start, end, out, 16)
     assert out.tolist() == [10, 11, 12, 20, 21]
+    # a window past the row raises (SGLang's Triton kernels would run into the next row)
+    with pytest.raises(IndexError, match=r"row 2 window \[14, 17\) ends past the row length 16"):
+        H.assign_req_to_token_pool_cpu(torch.tensor([2]), req_to_token, torch.tensor([14]), torch.tensor([17]), locs[:3], 16)
+    with pytest.raises(IndexError, match="assign_extend_cache_locs_cpu"):
+        H.assign_extend_cache_locs_cpu(torch.tensor([2]), req_to_token, torch.tensor([14]), torch.tensor([17]), out[:3], 16)
 
 
 def test_missing_kernel_raises_naming_itself():

@@ -60,11 +60,21 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
         view[tgt] = view[src].clone()
 
 
-def _windows(req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor):
-    """(pool row, start, end, slice of the packed per-request layout) per request, in order."""
+def _windows(req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor, pool_len: int, op: str):
+    """(pool row, start, end, slice of the packed per-request layout) per request, in order.
+
+    A window that ends past the row (``end > pool_len``) raises ``IndexError`` naming the op and
+    the numbers: SGLang's Triton kernels (``srt/mem_cache/allocation.py:690-722``,
+    ``kernels/ops/speculative/cache_locs.py:499-531``) mask their stores and loads with ``end`` only, not
+    with the row length, so on CUDA such a window would run into the next request's row."""
     pos = 0
     for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         n = int(e) - int(s)
+        if int(e) > pool_len:
+            raise IndexError(
+                f"{op}: req_to_token row {int(r)} window [{int(s)}, {int(e)}) ends past the row length "
+                f"{pool_len} (tests/sglang_cpu/tev_cpu_harness.py stand-in)"
+            )
         yield int(r), int(s), int(e), slice(pos, pos + n)
         pos += n
 
@@ -82,7 +92,8 @@ def assign_req_to_token_pool_cpu(
     Serves ``srt/mem_cache/allocation.py:746`` (``assign_req_to_token_pool_func`` on CPU), called
     by ``srt/speculative/dflash_info_v2.py:197`` (``prepare_for_decode``) and by extend allocation.
     """
-    for r, s, e, packed in _windows(req_pool_indices, start_offset, end_offset):
+    pool_len = int(req_to_token.shape[1])
+    for r, s, e, packed in _windows(req_pool_indices, start_offset, end_offset, pool_len, "assign_req_to_token_pool_cpu"):
         req_to_token[r, s:e] = out_cache_loc[packed].to(req_to_token.dtype)
 
 
@@ -100,7 +111,8 @@ def assign_extend_cache_locs_cpu(
     Serves ``sglang/kernels/ops/speculative/cache_locs.py`` (``assign_extend_cache_locs_func``'s
     CPU branch), which the DFlash draft block and TEV's tree window use to find their KV slots.
     """
-    for r, s, e, packed in _windows(req_pool_indices, start_offset, end_offset):
+    pool_len = int(req_to_token.shape[1])
+    for r, s, e, packed in _windows(req_pool_indices, start_offset, end_offset, pool_len, "assign_extend_cache_locs_cpu"):
         out_cache_loc[packed] = req_to_token[r, s:e].to(out_cache_loc.dtype)
 
 
