@@ -1,8 +1,9 @@
 """SGLang plugin entry point: ``sglang.srt.plugins`` → ``tev = "sglang_tev.srt.plugin:register"``.
 
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts (launcher,
-scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV`` and the
-``--attention-backend tev_cpu`` choice (``cpu_attention``); the worker
+scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV``, the
+``--attention-backend tev_cpu`` choice (``cpu_attention``) and two ``HookRegistry`` hooks (request
+admission, ``admission``; the ``req_to_token`` row headroom, ``kv_headroom``); the worker
 module (heavy: the DFlash V2 worker) is imported only when the scheduler asks for the worker class.
 """
 
@@ -28,6 +29,10 @@ def register() -> None:
     from .algo import TevAlgo
     from .config import CPU_ATTENTION_BACKEND, validate_server_args
     from .cpu_attention import register_cpu_attention
+    from .kv_headroom import install_row_headroom_hook
+
+    # req_to_token rows long enough for a decode step at the context edge (kv_headroom)
+    install_row_headroom_hook()
 
     # per-request refusals (HTTP 400) of options TEV cannot serve exactly yet
     install_admission_hook()

@@ -48,6 +48,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from ..verify import num_uniforms
 from .config import settings_from_server_args
+from .kv_headroom import check_row_headroom
 from .round import (
     build_trees,
     commit_outputs,
@@ -95,6 +96,7 @@ class TEVWorker(DFlashWorkerV2):
                 if hasattr(module, "use_table_qk_norm_rope"):
                     module.use_table_qk_norm_rope = False
         self.tev = settings_from_server_args(get_spec())
+        self._row_headroom_checked = False  # the pools exist only after the workers are built
         # DFlash sizes its block from speculative_num_draft_tokens, which TEV uses for N.
         self.block_size = self.tev.block_size
         self.draft_model.set_block_size(self.block_size)
@@ -198,6 +200,16 @@ class TEVWorker(DFlashWorkerV2):
         dev = self.device
         prefix = batch.seq_lens
         seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix.cpu()
+        if not self._row_headroom_checked:
+            # every slot a step reserves near the context length must lie inside the request's row
+            check_row_headroom(
+                row_len=self.model_runner.req_to_token_pool.req_to_token.shape[1],
+                context_len=self.target_worker.model_runner.model_config.context_len,
+                tree_size=N,
+                block_size=self.block_size,
+                page_size=self.model_runner.token_to_kv_pool_allocator.page_size,
+            )
+            self._row_headroom_checked = True
 
         # 1) draft -> tree
         logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu)
