@@ -588,6 +588,62 @@ def test_sampled_requests_log_no_greedy_fallback_warning(tev):
     assert "falling back to greedy argmax verification" not in log
 
 
+# ---------------------------------------------------------------------- 3b. the context-length edge
+CONTEXT = 2048
+"""The tiny target's context length (``max_position_embeddings``), the server's default."""
+
+
+def test_requests_ending_at_the_context_length_leave_the_server_serving(tev, plain, tokenizer, hf_model, hf_greedy):
+    """The requests that took the TEV server down before issue 25: greedy ``ignore_eos`` requests
+    whose prompt + max tokens end at the context length (or 1-18 tokens before it), on
+    ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``, and one aborted while it decodes
+    there. Each is accepted and answered with plain decoding's tokens (near-tie rule); the server
+    is then alive and serves an ordinary request."""
+    import argparse
+    import inspect
+
+    corpus = tokenizer(inspect.getsource(argparse)).input_ids
+    gen = []
+    for i, back in enumerate((0, 1, 8, 18)):
+        m = 24 + 5 * i
+        ids = corpus[97 * i : 97 * i + CONTEXT - back - m]
+        gen.append({"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}})
+    comp_ids = corpus[500 : 500 + CONTEXT - 32]
+    comp = completion(comp_ids, 32, ignore_eos=True)
+    content = tokenizer.decode(corpus[900 : 900 + CONTEXT - 80])
+    templated = len(tokenizer(CHATML.format(content)).input_ids)
+    chat = chat_request(content, CONTEXT - templated, ignore_eos=True)
+    calls = [lambda b=b, s=s: ok(s, "/generate", b) for s in (tev, plain) for b in gen]
+    calls += [lambda s=s: ok(s, "/v1/completions", comp) for s in (tev, plain)]
+    calls += [lambda s=s: ok(s, "/v1/chat/completions", chat) for s in (tev, plain)]
+    out = run_all(*calls)
+    k = len(gen)
+    got, want = out[:k], out[k : 2 * k]
+    assert_equal_or_tie([o["output_ids"] for o in got], [o["output_ids"] for o in want], [b["input_ids"] for b in gen], hf_model, "/generate at the context edge")
+    assert [len(o["output_ids"]) for o in got] == [len(o["output_ids"]) for o in want]
+    for name, t, p in (("completions", out[2 * k], out[2 * k + 1]), ("chat", out[2 * k + 2], out[2 * k + 3])):
+        t_ids = tokenizer(completion_text([t]) if name == "completions" else t["choices"][0]["message"]["content"]).input_ids
+        p_ids = tokenizer(completion_text([p]) if name == "completions" else p["choices"][0]["message"]["content"]).input_ids
+        prompt = comp_ids if name == "completions" else tokenizer(CHATML.format(content)).input_ids
+        assert_equal_or_tie([t_ids], [p_ids], [prompt], hf_model, f"/v1/{name} at the context edge")
+        assert t["usage"]["completion_tokens"] == p["usage"]["completion_tokens"], name
+
+    # an abort while a request decodes in the last positions of the context
+    rid = f"tev-edge-abort-{uuid.uuid4().hex}"
+    body = {"input_ids": corpus[:CONTEXT - 300], "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}, "rid": rid}
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(tev.post, "/generate", body)
+        wait_running(tev)
+        time.sleep(1.0)
+        status, res = abort_until_done(tev, rid, fut)
+    assert status == 200 and res["meta_info"]["finish_reason"]["type"] in ("abort", "length"), res["meta_info"]
+    wait_idle(tev)
+    assert_alive(tev)
+    log = Path(tev.log.name).read_text(errors="replace")
+    assert "Scheduler hit an exception" not in log, tev.tail()
+    assert_serves_reference(tev, 1, tokenizer, hf_model, hf_greedy)
+
+
 # ---------------------------------------------------------------------- 4. no leaked KV slots
 def test_kv_pool_holds_no_leaked_slots_after_mixed_traffic(tev, tokenizer, hf_model, hf_greedy):
     """After every request of this module and a burst mixing greedy, sampled, n = 2, logprobs,
