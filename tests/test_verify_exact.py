@@ -264,11 +264,12 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
     VerifyOutput.host() reads the same decision and row maxima from either."""
     import dataclasses
 
-    import sglang_tev.verify as verify_mod
+    import sglang_tev.verify.dispatch as dispatch_mod
+    import sglang_tev.verify.greedy as greedy_mod
 
     if walk == "numpy":
-        monkeypatch.setattr(verify_mod, "native", lambda name: None)
-    elif dtype == torch.float32 and verify_mod.native("greedy_follow") is None:
+        monkeypatch.setattr(greedy_mod, "native", lambda name: None)
+    elif dtype == torch.float32 and greedy_mod.native("greedy_follow") is None:
         pytest.skip("no C compiler here")  # test_ddtree fails in that case when one exists
     trees, tree, logits = make_case(5, 6, sizes=[12, 1, 9, 5])
     logits = logits.to(dtype)
@@ -280,9 +281,9 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
     greedy = SamplingParams(temperature=0.0)
 
     def both(x):
-        monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 4096)
+        monkeypatch.setattr(dispatch_mod, "HOST_WALK_MAX_NODES", 4096)
         h = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
-        monkeypatch.setattr(verify_mod, "HOST_WALK_MAX_NODES", 0)
+        monkeypatch.setattr(dispatch_mod, "HOST_WALK_MAX_NODES", 0)
         d = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
         assert getattr(h, "_host", None) is not None and getattr(d, "_host", None) is None
         return h, d

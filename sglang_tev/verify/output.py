@@ -1,0 +1,134 @@
+"""The verifiers' result types: :class:`VerifyOutput` (device tensors, or host lists kept by a
+host walk) and :class:`HostDecision` (a round's decision as Python lists, in one transfer)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import DraftTree
+
+__all__ = ["VerifyOutput", "HostDecision", "first_nonfinite"]
+
+
+@dataclass(frozen=True)
+class HostDecision:
+    """A round's decision as Python lists, what a runtime reads on the host
+    (:meth:`VerifyOutput.host`).
+
+    Attributes:
+        paths: per tree, the accepted node indices root-first (no padding; length accept_len + 1).
+        path_tokens: their tokens (the root token first).
+        accept_len, bonus: per tree, as :class:`VerifyOutput`.
+        coverage: per tree, C_p as a float.
+        tree_nodes: per tree, the valid nodes (root included).
+        first_nonfinite: per tree, the first valid node whose logits row holds a NaN or +inf
+            or only -inf (its max is not finite), or -1; when asked for with ``check_finite``,
+            else None.
+    """
+
+    paths: list
+    path_tokens: list
+    accept_len: list
+    bonus: list
+    coverage: list
+    tree_nodes: list
+    first_nonfinite: list | None = None
+
+
+class VerifyOutput:
+    """Result of verifying a batch of trees (read-only).
+
+    Attributes:
+        path: int64 [b, N], accepted node indices root-first, -1 padded (static width).
+        accept_len: int64 [b], accepted draft tokens (bonus excluded) = depth of the exit node.
+        bonus: int64 [b], the bonus token drawn after the accepted path.
+        exit_node: int64 [b], the last accepted node.
+        coverage: float [b], the target coverage C_p of each tree under the processed target
+            law (E[accept_len], paper Eq. 6); an extra the runtimes report.
+
+    A verifier that decided on the host (greedy on CPU) keeps its Python lists and builds these
+    tensors only when one is read; :meth:`host` then costs nothing.
+    """
+
+    __slots__ = ("_tensors", "_host", "_shape")
+    _FIELDS = ("path", "accept_len", "bonus", "exit_node", "coverage")
+
+    def __init__(self, path: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor, exit_node: torch.Tensor,
+                 coverage: torch.Tensor) -> None:
+        self._tensors = (path, accept_len, bonus, exit_node, coverage)
+        self._host = None
+        self._shape = None
+
+    @classmethod
+    def _from_host(cls, decision: tuple, width: int, coverage_dtype: torch.dtype) -> "VerifyOutput":
+        """From host lists (paths, path_tokens, accept_len, bonus, coverage, tree_nodes,
+        first_nonfinite)."""
+        out = cls.__new__(cls)
+        out._tensors, out._host, out._shape = None, decision, (width, coverage_dtype)
+        return out
+
+    def _materialise(self) -> tuple:
+        if self._tensors is None:
+            paths, _, acc, bonus = self._host[:4]
+            n, cover_dt = self._shape
+            path = torch.tensor([p + [-1] * (n - len(p)) for p in paths], dtype=torch.int64)
+            acc_t, bonus_t, exit_t = torch.tensor([acc, bonus, [p[-1] for p in paths]], dtype=torch.int64)
+            self._tensors = (path, acc_t, bonus_t, exit_t, acc_t.to(cover_dt))
+        return self._tensors
+
+    path = property(lambda self: self._materialise()[0])
+    accept_len = property(lambda self: self._materialise()[1])
+    bonus = property(lambda self: self._materialise()[2])
+    exit_node = property(lambda self: self._materialise()[3])
+    coverage = property(lambda self: self._materialise()[4])
+
+    def __iter__(self):
+        return iter(self._materialise())
+
+    def __repr__(self) -> str:
+        return "VerifyOutput(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS) + ")"
+
+    def host(self, tree: DraftTree, check_finite: torch.Tensor | None = None) -> HostDecision:
+        """The decision on the host, in ONE device-to-host transfer (none when the verifier
+        decided on the host: its lists are kept).
+
+        Args:
+            tree: the tree this output verifies (its tokens give ``path_tokens``).
+            check_finite: optional float [b, N, V], the logits that were verified: each tree's
+                first valid node with a non-finite row max comes back in the same transfer (the
+                host verifiers find it in the pass that takes the argmax).
+        Returns:
+            :class:`HostDecision`.
+        """
+        if self._host is not None:
+            kept = self._host
+            return HostDecision(*kept[:6], first_nonfinite=None if check_finite is None else kept[6])
+        path, accept_len, bonus, _, coverage = self._tensors
+        b, n = path.shape
+        path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))
+        ints = torch.cat([path, path_tokens, accept_len.view(b, 1), bonus.view(b, 1),
+                          tree.valid.sum(1, keepdim=True)], 1)
+        parts = [ints.to(torch.float64), coverage.view(b, 1).to(torch.float64)]  # ids < 2^53: exact
+        if check_finite is not None:
+            parts.append(check_finite.amax(-1).to(torch.float64))
+        rows = torch.cat(parts, 1).tolist()  # the one transfer
+        acc = [int(h[2 * n]) for h in rows]
+        nodes = [int(h[2 * n + 2]) for h in rows]
+        return HostDecision(
+            paths=[[int(x) for x in h[: a + 1]] for h, a in zip(rows, acc)],
+            path_tokens=[[int(x) for x in h[n: n + a + 1]] for h, a in zip(rows, acc)],
+            accept_len=acc,
+            bonus=[int(h[2 * n + 1]) for h in rows],
+            coverage=[h[2 * n + 3] for h in rows],
+            tree_nodes=nodes,
+            first_nonfinite=None if check_finite is None else [first_nonfinite(h[2 * n + 4:], m)
+                                                              for h, m in zip(rows, nodes)],
+        )
+
+
+def first_nonfinite(row_max: list, n_valid: int) -> int:
+    """The first of the first ``n_valid`` row maxima that is not finite, or -1."""
+    return next((v for v in range(n_valid) if not math.isfinite(row_max[v])), -1)
