@@ -110,9 +110,32 @@ def test_register_is_idempotent_and_from_string_returns_tev():
     assert isinstance(first, TevAlgo)
     # V2 schema: no deprecated-V1 warning at worker creation; overlap itself is turned off by TEV
     assert first.supports_overlap is True
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, DRAFT_ATTENTION_BACKEND_CHOICES
 
-    assert "tev_cpu" in ATTENTION_BACKEND_CHOICES and "tev_cpu" in DRAFT_ATTENTION_BACKEND_CHOICES
+
+def test_tev_cpu_is_registered_only_when_asked_for():
+    """``tev_cpu`` joins SGLang's attention-backend choices (target and draft) with SGLang's CPU
+    engine or ``SGLANG_TEV_REFERENCE_ATTENTION=1``; a GPU server's lists stay SGLang's own."""
+    from sglang_tev.srt.plugin import wants_cpu_attention
+
+    assert wants_cpu_attention({"SGLANG_USE_CPU_ENGINE": "1"})
+    assert wants_cpu_attention({"SGLANG_TEV_REFERENCE_ATTENTION": "1"})
+    assert not wants_cpu_attention({}) and not wants_cpu_attention({"SGLANG_USE_CPU_ENGINE": "0"})
+    code = textwrap.dedent(
+        """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, DRAFT_ATTENTION_BACKEND_CHOICES
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        SpeculativeAlgorithm.from_string("TEV")
+        print("tev_cpu" in ATTENTION_BACKEND_CHOICES, "tev_cpu" in DRAFT_ATTENTION_BACKEND_CHOICES)
+        """
+    )
+    for flag, want in (("1", "True True"), ("0", "False False")):
+        env = dict(os.environ, OMP_NUM_THREADS="1", SGLANG_TEV_REFERENCE_ATTENTION=flag)
+        env.pop("SGLANG_USE_CPU_ENGINE", None)
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.strip().splitlines()[-1] == want, (flag, res.stdout[-500:])
 
 
 def test_tev_algo_passes_sglang_conformance_and_predicates():

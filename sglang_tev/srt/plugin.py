@@ -2,16 +2,31 @@
 
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts (launcher,
 scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV``, the
-``--attention-backend tev_cpu`` choice (``cpu_attention``) and two ``HookRegistry`` hooks (request
+``--attention-backend tev_cpu`` choice (``cpu_attention``; with SGLang's CPU engine or when asked
+for, :func:`wants_cpu_attention`) and two ``HookRegistry`` hooks (request
 admission, ``admission``; the ``req_to_token`` row headroom, ``kv_headroom``); the worker
 module (heavy: the DFlash V2 worker) is imported only when the scheduler asks for the worker class.
 """
 
 from __future__ import annotations
 
-__all__ = ["register", "ALGORITHM_NAME"]
+import os
+
+__all__ = ["register", "ALGORITHM_NAME", "ENV_REFERENCE_ATTENTION", "wants_cpu_attention"]
 
 ALGORITHM_NAME = "TEV"
+
+ENV_REFERENCE_ATTENTION = "SGLANG_TEV_REFERENCE_ATTENTION"
+"""Set to ``1`` to register ``--attention-backend tev_cpu`` on a GPU machine too (a reference for
+checking a mask layout against FlashInfer or Triton)."""
+
+
+def wants_cpu_attention(environ=None) -> bool:
+    """Whether the plugin registers ``tev_cpu``: with SGLang's CPU engine
+    (``SGLANG_USE_CPU_ENGINE=1``, what ``--device cpu`` needs; SGLang reads it the same way,
+    ``srt/platforms/__init__.py:50``) or when asked for with ``SGLANG_TEV_REFERENCE_ATTENTION=1``."""
+    env = os.environ if environ is None else environ
+    return env.get("SGLANG_USE_CPU_ENGINE", "0") == "1" or env.get(ENV_REFERENCE_ATTENTION, "0") == "1"
 
 
 def register() -> None:
@@ -37,8 +52,10 @@ def register() -> None:
     # per-request refusals (HTTP 400) of options TEV cannot serve exactly yet
     install_admission_hook()
 
-    # --attention-backend tev_cpu: the pure-torch backend TEV uses with --device cpu
-    register_cpu_attention(CPU_ATTENTION_BACKEND)
+    # --attention-backend tev_cpu: the pure-torch backend TEV uses with --device cpu; only where it
+    # can be asked for (a GPU server's choices and attention registry stay SGLang's own)
+    if wants_cpu_attention():
+        register_cpu_attention(CPU_ATTENTION_BACKEND)
 
     # supports_overlap only gates SGLang's deprecated-V1 warning and its overlap check
     # (spec_registry.py:137-150): the worker is on the V2 schema (a DFlashWorkerV2), and TEV's
