@@ -5,6 +5,8 @@
 #   scripts/run_tests.sh                       install, then the whole suite
 #   scripts/run_tests.sh tests/test_tree.py    install, then pytest on those arguments
 #   scripts/run_tests.sh --no-install [ARGS]   skip the install (already done), run pytest
+#   scripts/run_tests.sh --fast [ARGS]         the inner loop: no install, `-m "not slow"` (no
+#                                              SGLang Engines/servers, no training or build runs)
 #
 # Installs: the package in editable mode with the `test` and `sglang` extras (sglang 0.5.23 for
 # the plugin tests; it pins torch 2.14.1 and transformers 5.19), and z-lab's reference drafter
@@ -13,7 +15,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-if [[ "${1:-}" == "--no-install" ]]; then
+FAST=()
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    FAST=(-m "not slow")
+elif [[ "${1:-}" == "--no-install" ]]; then
     shift
 else
     python -m pip install -q -e ".[test,sglang]"
@@ -21,4 +27,4 @@ else
 fi
 # sglang was installed above: its tests must run, not skip
 export SGLANG_TEV_REQUIRE_SGLANG=1
-python -m pytest -q "$@"
+python -m pytest -q "${FAST[@]}" "$@"

@@ -11,18 +11,15 @@ time, in float64, with the KV heads repeated for GQA.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":  # set by .ci/run: never skip in CI
-        raise RuntimeError("SGLANG_TEV_REQUIRE_SGLANG=1 but sglang is not installed")
-    pytest.skip("sglang is not installed (pip install 'sglang-tev[sglang]')", allow_module_level=True)
+from sglang_required import require_sglang  # noqa: E402
+
+require_sglang()
 
 from sglang.srt.layers.radix_attention import AttentionType, RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402

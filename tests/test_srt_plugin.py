@@ -7,7 +7,6 @@ Skipped only when sglang is not installed; CI (``.ci/run``) installs it, so they
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":  # set by .ci/run: never skip in CI
-        raise RuntimeError("SGLANG_TEV_REQUIRE_SGLANG=1 but sglang is not installed")
-    pytest.skip("sglang is not installed (pip install 'sglang-tev[sglang]'); the plugin tests need it", allow_module_level=True)
+from sglang_required import require_sglang  # noqa: E402
+
+require_sglang()
 
 import torch  # noqa: E402
 

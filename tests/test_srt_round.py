@@ -8,7 +8,6 @@ Layout references are SGLang 0.5.23's own code where it runs on CPU (``SamplingB
 from __future__ import annotations
 
 import ast
-import importlib.util
 import math
 import os
 
@@ -31,10 +30,9 @@ from sglang_tev.srt.round import (
 )
 from sglang_tev.verify import VerifyOutput
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-if not HAVE_SGLANG and os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":  # set by .ci/run
-    raise RuntimeError("SGLANG_TEV_REQUIRE_SGLANG=1 but sglang is not installed")
-needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (pip install 'sglang-tev[sglang]')")
+from sglang_required import have_sglang, needs_sglang  # noqa: E402
+
+HAVE_SGLANG = have_sglang()
 
 
 def random_trees(bs=4, depth=5, k=3, budget=12, seed=0, vocab=50):

@@ -18,8 +18,6 @@ This is a wiring check; the real forwards, attention backends and kernels run on
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,10 +25,9 @@ import pytest
 import torch
 from tiny_pair import plain_greedy
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":  # set by .ci/run: never skip in CI
-        raise RuntimeError("SGLANG_TEV_REQUIRE_SGLANG=1 but sglang is not installed")
-    pytest.skip("sglang is not installed (pip install 'sglang-tev[sglang]')", allow_module_level=True)
+from sglang_required import require_sglang  # noqa: E402
+
+require_sglang()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +69,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
 
     import sglang_tev.srt.worker as W
     from sglang_tev.srt.config import TevSettings
+    from sglang_tev.srt.kv_headroom import required_row_extra
 
     target = AutoModelForCausalLM.from_pretrained(ROOT / "sglang_tev/assets/tiny-code/target", dtype=torch.float32).eval()
     V = target.config.vocab_size
@@ -166,10 +164,12 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
     w.model_runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         kv_index_translator=translator,
-        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: fake_kv),
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: fake_kv, page_size=1),
         model=SimpleNamespace(lm_head=torch.nn.Linear(2, V)),
-        model_config=SimpleNamespace(context_len=4096),
+        # rows exactly as long as the plugin's headroom makes them (the worker checks on its first decode)
+        model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1)),
     )
+    w._row_headroom_checked = False
     w._target_worker = SimpleNamespace(model_runner=w.model_runner, forward_batch_generation=target_forward)
     w.draft_model_runner = SimpleNamespace(forward=draft_forward, kv_index_translator=translator)
     w._append_target_hidden_to_draft_kv_by_loc = lambda **kw: appended.append(kw)

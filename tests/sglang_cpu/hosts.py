@@ -20,11 +20,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # tests/: sglang_required
 import tev_cpu_harness  # noqa: E402
+from sglang_required import require_sglang  # noqa: E402,F401  (the modules import it from here too)
 
 ASSETS = HERE.parent.parent / "sglang_tev" / "assets" / "tiny-code"
 TARGET, DRAFT = str(ASSETS / "target"), str(ASSETS / "draft")
@@ -260,17 +260,3 @@ class ServerHost:
                 self.proc.kill()
         _kill(children)
         _remove(self.log)
-
-
-def require_sglang():
-    """Skip the module without sglang, unless CI requires it (``SGLANG_TEV_REQUIRE_SGLANG=1``)."""
-    try:
-        import importlib.util
-
-        found = importlib.util.find_spec("sglang") is not None
-    except ValueError:
-        found = False
-    if not found:
-        if os.environ.get("SGLANG_TEV_REQUIRE_SGLANG") == "1":
-            raise RuntimeError("SGLANG_TEV_REQUIRE_SGLANG=1 but sglang is not installed")
-        pytest.skip("sglang is not installed (pip install 'sglang-tev[sglang]')", allow_module_level=True)
