@@ -318,11 +318,11 @@ def test_trainer_evaluation_reports_the_same_block_length(shipped, tmp_path):
     (dict(output_dir=None), "cache_dir"),
 ])
 def test_python_api_bad_inputs_name_the_argument_before_loading(kw, key, tmp_path, monkeypatch):
-    import sglang_tev.train.trainer as trainer_mod
+    import sglang_tev.train.target as target_mod
     from sglang_tev.hf.datasets import Prompt
     from sglang_tev.train.drafter_eval import evaluate_drafters
 
-    monkeypatch.setattr(trainer_mod, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
     args = dict(target_path=ASSET / "target", draft_paths=[ASSET / "draft"], prompts=[Prompt(id="p", text="def f():")],
                 output_dir=tmp_path / "o")
     args.update(kw)

@@ -7,6 +7,8 @@ naming the dotted key (``loss.exit.mode``, ``draft.num_hidden_layers``, ...). Ov
 (``lr=3e-4``, ``loss_decay_gamma=null``, ``draft.target_layer_ids=[1,3]``).
 
 The schema is the tree of frozen dataclasses below; ``docs/training.md`` lists every key.
+Packaged recipes (``recipes/*.yaml``, :func:`load_recipe`) are the settings of the project's own
+runs, read by the scripts that run them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 __all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig", "RolloutConfig",
-           "load_config", "parse_overrides", "config_to_dict"]
+           "load_config", "parse_overrides", "config_to_dict", "schema_default", "RECIPES", "load_recipe"]
 
 
 class ConfigError(ValueError):
@@ -424,3 +426,43 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | TrainConfig | No
             raise ConfigError("", f"{path} must hold a mapping, got {type(data).__name__}")
     upd = parse_overrides(overrides) if not isinstance(overrides, Mapping) else overrides
     return _build(TrainConfig, _merge(data, upd))
+
+
+def schema_default(dotted: str) -> Any:
+    """The schema default of a dotted config key (``loss.exit.temperature`` -> 1.0); a sentinel
+    object (equal to nothing) for a required or unknown key."""
+    cls, parts = TrainConfig, dotted.split(".")
+    for i, part in enumerate(parts):
+        f = next((f for f in dataclasses.fields(cls) if _key_of(f) == part), None)
+        if f is None:
+            return object()
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            return object()
+        if i == len(parts) - 1:
+            return value
+        if not dataclasses.is_dataclass(value):
+            return object()
+        cls = type(value)
+    return object()
+
+
+# Packaged recipes: YAML files under sglang_tev/train/recipes/ (package data).
+RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def load_recipe(name: str) -> dict:
+    """The packaged recipe ``recipes/<name>.yaml`` as a mapping (a recipe is read by the scripts
+    that run it: ``scripts/build_tiny_code.py``, ``benchmarks/exittrain_experiment.py``).
+    Raises ``FileNotFoundError`` naming the known recipes."""
+    path = RECIPES / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+        raise FileNotFoundError(f"recipe: no packaged recipe {name!r} (known: {', '.join(known) or 'none'})")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, Mapping):
+        raise ConfigError("", f"{path} must hold a mapping, got {type(data).__name__}")
+    return data

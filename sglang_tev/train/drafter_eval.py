@@ -14,9 +14,9 @@ far below that of realized τ.
 Computation per continuation (``x = prompt ‖ response``, roots ``a = P-1 .. L-2``: one round per
 response token): one target forward over ``x`` (features for every drafter, KV kept), the
 drafter's training-time block forward (:func:`sglang_tev.train.losses.block_logits`, identical
-to its inference forward: context strictly before the anchor) in chunks of anchors, the trees
-(:func:`sglang_tev.train.exit.anchor_trees`) and their target rows scored over the sequence's KV
-(:func:`sglang_tev.train.exit.iter_tree_logits`), all temperatures' laws from one tree pass.
+to its inference forward: context strictly before the anchor) in chunks of anchors, then the tree
+metric of :mod:`.metrics` (:func:`~.metrics.tree_breakdowns`, also the trainer's evaluation): the
+trees, their target rows scored over the sequence's KV, all temperatures' laws from one tree pass.
 Trees are built without stop-token leaves (as ``--ignore-eos`` decoding).
 
 Statistics: the metric of a drafter is the pooled mean over positions, ``M = Σ_i S_i / Σ_i n_i``
@@ -31,93 +31,20 @@ import hashlib
 import json
 import math
 import os
-import shlex
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
-from ..tree import DraftTree, ExitLaw, exit_law
-from .exit import anchor_trees, iter_tree_logits, kv_reuse_forward, target_law
+from .atomic import atomic_write
+from .exit import kv_reuse_forward
+# the tree metric (one pipeline with the trainer's evaluation); re-exported: its public home was here
+from .metrics import BREAKDOWN_KEYS, TreeBreakdown, exit_breakdown, laws_by_temperature, tree_breakdowns
 
 __all__ = ["TreeBreakdown", "exit_breakdown", "sequence_block_stats", "laws_by_temperature",
            "cluster_se", "paired_difference", "evaluate_drafters", "format_table", "plot_exit_mass"]
-
-BREAKDOWN_KEYS = ("block_len", "w_root", "w_inner", "w_cut", "w_horizon")
-
-
-@dataclass(frozen=True)
-class TreeBreakdown:
-    """Where the target mass leaves each tree (every field [T] float64 unless noted).
-
-    block_len: ``1 + C_p`` (expected block length of a saturated exact verifier).
-    w_root: exit mass at the root (no first-depth draft token taken).
-    w_inner: at non-root nodes that have drafted children (partly covered next token).
-    w_cut: at non-root leaves above the horizon (depth < H: the budget stopped expanding them).
-    w_horizon: at leaves at the maximum draft depth H (the block's end).
-    w_depth: [T, H + 1], exit mass by depth 0..H. ``w_root + w_inner + w_cut + w_horizon = 1``
-    and ``Σ_d w_depth[:, d] = 1`` per tree (up to rounding).
-    """
-
-    block_len: torch.Tensor
-    w_root: torch.Tensor
-    w_inner: torch.Tensor
-    w_cut: torch.Tensor
-    w_horizon: torch.Tensor
-    w_depth: torch.Tensor
-
-
-def exit_breakdown(tree: DraftTree, law: ExitLaw, horizon: int) -> TreeBreakdown:
-    """Split each tree's exit law (paper Lemma 1) by node kind and depth.
-
-    Args:
-        tree: T trees (N nodes, depths <= ``horizon``).
-        law: ``exit_law`` of those trees.
-        horizon: H, the drafter's maximum draft depth (block size - 1), >= 1.
-    Returns:
-        :class:`TreeBreakdown`, float64.
-    Raises:
-        ValueError naming ``horizon`` when it is < 1 or below the trees' depth.
-    """
-    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1 or tree.max_depth > horizon:
-        raise ValueError(f"horizon must be an int >= max(1, tree depth {tree.max_depth}), got {horizon!r}")
-    w = law.w.double()
-    nonroot = tree.valid.clone()
-    nonroot[:, 0] = False
-    has_child = tree.child_mask().any(-1)
-    zero = torch.zeros_like(w)
-    at_h = nonroot & (tree.depth == horizon)
-    inner = nonroot & has_child & ~at_h
-    cut = nonroot & ~has_child & ~at_h
-    depth = torch.where(tree.valid, tree.depth, torch.zeros_like(tree.depth))
-    w_depth = torch.zeros(w.shape[0], horizon + 1, dtype=w.dtype, device=w.device).scatter_add_(
-        1, depth, torch.where(tree.valid, w, zero))
-    return TreeBreakdown(1.0 + law.coverage.double(), w[:, 0], torch.where(inner, w, zero).sum(1),
-                         torch.where(cut, w, zero).sum(1), torch.where(at_h, w, zero).sum(1), w_depth)
-
-
-@torch.no_grad()
-def laws_by_temperature(forward_rows, lm_head, last_hidden: torch.Tensor, tree: DraftTree, anchors: torch.Tensor,
-                        temperatures: Sequence[float], anchors_per_forward: int | None = None,
-                        mask_dtype: torch.dtype = torch.float32) -> list[ExitLaw]:
-    """:func:`sglang_tev.train.exit.score_trees` at several temperatures from ONE tree pass:
-    ``[ExitLaw]`` in the order of ``temperatures`` (each law as ``score_trees`` gives it)."""
-    for t in temperatures:
-        target_law(torch.zeros(1, 1), t)  # a bad temperature fails before any forward
-    parts = [[] for _ in temperatures]
-    rows_all = []
-    for rows, sub, logits in iter_tree_logits(forward_rows, lm_head, last_hidden, tree, anchors,
-                                              anchors_per_forward, mask_dtype):
-        rows_all.append(rows)
-        lg = logits.float()
-        for i, t in enumerate(temperatures):
-            parts[i].append(exit_law(sub, target_law(lg, t), validate=False))
-    order = torch.cat(rows_all).argsort()
-    return [ExitLaw(*(torch.cat([getattr(law, f) for law in ps])[order] for f in ("P", "rho", "w", "coverage")))
-            for ps in parts]
 
 
 @torch.no_grad()
@@ -167,11 +94,9 @@ def sequence_block_stats(target, drafters: Sequence, ids: torch.Tensor, anchors:
         logits = torch.cat(chunks, 1).reshape(b * n, K - 1, -1)          # [b*n, H, V]
         per = {}
         for B in budgets:
-            tree = anchor_trees(logits, B, roots, keep.reshape(-1))
-            laws = laws_by_temperature(kv_reuse_forward(decoder, cache), head, last, tree, anchors, temperatures,
-                                       anchors_per_forward, mask_dtype)
-            for t, law in zip(temperatures, laws):
-                per[(B, t)] = exit_breakdown(tree, law, K - 1)
+            brs = tree_breakdowns(logits, B, roots, keep.reshape(-1), kv_reuse_forward(decoder, cache), head, last,
+                                  anchors, temperatures, anchors_per_forward, mask_dtype)
+            per.update({(B, t): br for t, br in zip(temperatures, brs)})
         res.append(per)
     return res
 
@@ -222,9 +147,7 @@ def prompt_cache_file(cache_dir: Path, prompt_ids: list[list[int]]) -> Path:
     path = cache_dir / f"prompts-{_sha(text.encode())[:16]}.jsonl"
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write(path, text, tmp=path.with_name(path.name + f".tmp{os.getpid()}"))
     return path
 
 
@@ -287,7 +210,7 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
     from ..draft.dflash import DFlashDraftModel
     from ..hf.datasets import applies_chat_template, encode_prompt
     from .exit import check_tree_support
-    from .trainer import load_target
+    from .target import load_target, text_config
 
     if not draft_paths:
         raise ValueError("draft: give at least one drafter")
@@ -309,7 +232,7 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
     if tokenizer is None:
         raise ValueError(f"target: {os.fspath(target_path)!r} has no tokenizer; text prompts need one")
     check_tree_support(target)
-    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    tcfg = text_config(target)
     drafters, names = [], []
     for p in draft_paths:
         try:
