@@ -1,7 +1,9 @@
 """ExitTrain ablation on the shipped tiny-code pair, designed before it runs (docs/exittrain.md,
 "The experiment"). Resumable in chunks: every command continues where the last one stopped.
 
-Design (frozen in ``DESIGN``; ``OUT/design.json`` records it and a changed design is refused):
+Design (frozen in ``DESIGN`` and ``ARMS``, read from the packaged recipe
+``sglang_tev/train/recipes/exittrain-tiny-code.yaml``, which ``scripts/build_tiny_code.py``'s
+exittrain stage reads too; ``OUT/design.json`` records it and a changed design is refused):
 
 * start: the shipped pair (``sglang_tev/assets/tiny-code``; its drafter as shipped when the experiment
   ran, packaged as ``draft-base/`` since), target frozen;
@@ -61,17 +63,14 @@ BASE_DRAFT = ASSET / "draft-base"
 RESULTS = REPO / "benchmarks" / "results" / "exittrain-experiment.json"
 sys.path.insert(0, str(REPO))
 
+from sglang_tev.train.config import load_recipe  # noqa: E402
 from sglang_tev.train.rollout import cut_prompts  # noqa: E402  (the training and test prompts)
 
-DESIGN = {
-    "train_prompts": 1024, "test_prompts": 96, "prompt_chars": 600, "prompt_seed": 0,
-    "rollout_max_new_tokens": 256, "rollout_temperature": 1.0, "rollout_batch_size": 16, "rollout_seed": 0,
-    "token_weight": 1.0, "distill_weight": 0.0, "steps": 600, "lr": 3e-4, "warmup_steps": 20, "min_lr_ratio": 0.1, "seq_len": 512, "batch_size": 4,
-    "num_anchors": 16, "loss_decay_gamma": 7.0, "budget": 64, "threads": 1,
-    "lambda_target_ratio": 0.6, "lambda_batches": 8,
-    "eval_temperatures": [0.0, 1.0], "eval_budgets": [64], "eval_max_new_tokens": 128, "eval_seed": 0,
-    "seeds": [0, 1, 2], "gate_se": 5.0, "gate_temperatures": [1.0], "schedule_version": 2,
-}
+# The design, frozen: sglang_tev/train/recipes/exittrain-tiny-code.yaml (`design`, `arms`), the
+# same file scripts/build_tiny_code.py's exittrain stage reads (arm D at the measured λ).
+RECIPE_NAME = "exittrain-tiny-code"
+RECIPE = load_recipe(RECIPE_NAME)
+DESIGN = dict(RECIPE["design"])
 # what the data stage and the evaluations depend on: kept when only the schedule changes
 DATA_KEYS = ("train_prompts", "test_prompts", "prompt_chars", "prompt_seed", "rollout_max_new_tokens",
              "rollout_temperature", "rollout_batch_size", "rollout_seed", "eval_temperatures", "eval_budgets",
@@ -79,12 +78,7 @@ DATA_KEYS = ("train_prompts", "test_prompts", "prompt_chars", "prompt_seed", "ro
 # what λ depends on (lambda.json is measured again when one of these changes)
 LAMBDA_KEYS = ("token_weight", "distill_weight", "loss_decay_gamma", "seq_len", "batch_size", "num_anchors",
                "budget", "lambda_target_ratio", "lambda_batches")
-ARMS = {  # name: (loss.exit.mode, loss.exit.temperature)
-    "A": ("none", 1.0),
-    "B": ("prefix", 1.0),
-    "C": ("exit", 1.0),
-    "D": ("exit", 0.0),
-}
+ARMS = {k: (v["mode"], float(v["temperature"])) for k, v in RECIPE["arms"].items()}  # (loss.exit.mode, .temperature)
 CONTRASTS = [("C", "A"), ("B", "A"), ("C", "B"), ("D", "A")]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
@@ -188,34 +182,23 @@ def train_overrides(out: Path, arm: str, seed: int, lam: float, stop_at: int) ->
 
 def measure_lambda(out: Path) -> dict:
     """|∇L_exit| / |∇L_tok| of the shipped drafter on the first batches of seed 0 (arm C's config,
-    λ = 1) and the λ that puts the exit gradient at ``lambda_target_ratio`` of the token gradient."""
+    λ = 1) and the λ that puts the exit gradient at ``lambda_target_ratio`` of the token gradient.
+    The terms are the trainer's own (:meth:`sglang_tev.train.Trainer.loss_terms`)."""
     import torch
 
     from sglang_tev.train import Trainer, load_config
-    from sglang_tev.train.data import anchor_keys, batch_indices, collate, sample_anchors, valid_anchor_positions
-    from sglang_tev.train.losses import block_logits
 
     torch.set_num_threads(1)
     ov = train_overrides(out, "C", DESIGN["seeds"][0], 1.0, DESIGN["steps"])
     ov = [o for o in ov if not o.startswith(("output_dir=", "stop_at_step="))] + [f"output_dir={out / 'data' / 'lambda_probe'}"]
     tr = Trainer(load_config(None, ov))
-    cfg, K = tr.cfg, tr.block_size
     params = [p for p in tr.draft.parameters() if p.requires_grad]
-    amp = dict(device_type="cpu", dtype=torch.bfloat16, enabled=False)
     ratios = []
     for s in range(DESIGN["lambda_batches"]):
-        idx = batch_indices(s, cfg.batch_size, len(tr.data), cfg.seed, 0, 1)
-        ids, lmask = collate(tr.data, idx, tr.pad_id)
-        with torch.no_grad():
-            features, last_hidden, cache = tr._features(ids, keep_kv=True)
-        valid = valid_anchor_positions(ids, lmask, K, tr.sep_ids)
-        anchors, keep = sample_anchors(valid, cfg.num_anchors, anchor_keys(cfg.seed, s, cfg.batch_size, cfg.seq_len, 0))
-        logits, labels = block_logits(tr.step_module, tr.embed, tr.lm_head, features, ids, anchors, keep, K,
-                                      tr.draft.config.mask_token_id)
+        terms = tr.loss_terms(s).terms
         # the dense loss as the trainer combines it (one denominator per term)
-        dense = sum(w * t.numerator / t.denominator
-                    for w, t in tr._dense_terms(logits, labels, anchors, keep, last_hidden, amp).values() if w)
-        ex, _ = tr._exit_term(logits, ids, anchors, keep, last_hidden, cache, amp, {})
+        dense = sum(w * t.numerator / t.denominator for k, (w, t) in terms.items() if k != "exit" and w)
+        ex = terms["exit"][1]
         g_tok = torch.autograd.grad(dense, params, retain_graph=True)
         g_ex = torch.autograd.grad(ex.numerator / ex.denominator, params)
         n_tok = torch.sqrt(sum((g.double() ** 2).sum() for g in g_tok))
@@ -249,7 +232,7 @@ def data_stage(out: Path, mach: dict) -> dict:
 
         from sglang_tev.train.config import RolloutConfig
         from sglang_tev.train.rollout import ensure_rollouts
-        from sglang_tev.train.trainer import load_target
+        from sglang_tev.train.target import load_target
 
         torch.set_num_threads(1)
         target, tok = load_target(ASSET / "target", torch.device("cpu"), torch.float32)
@@ -269,7 +252,7 @@ def data_stage(out: Path, mach: dict) -> dict:
 
         from sglang_tev.hf.datasets import encode_prompt, load_prompts
         from sglang_tev.train.drafter_eval import continuations
-        from sglang_tev.train.trainer import load_target
+        from sglang_tev.train.target import load_target
 
         torch.set_num_threads(1)
         target, tok = load_target(ASSET / "target", torch.device("cpu"), torch.float32)
@@ -299,7 +282,7 @@ def data_stage(out: Path, mach: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def steps_done(run_dir: Path) -> int:
-    from sglang_tev.train.trainer import checkpoint_dirs
+    from sglang_tev.train.checkpoint import checkpoint_dirs
 
     cks = checkpoint_dirs(run_dir)
     return cks[-1][0] if cks else 0

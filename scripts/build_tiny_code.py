@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -104,10 +105,10 @@ def sha256_file(path: Path) -> str:
 
 
 def write_json(path: Path, obj) -> None:
-    """Written to a temp file and renamed: a killed write leaves the old file or none."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Written whole or not at all (a killed write leaves the old file or none)."""
+    from sglang_tev.train.atomic import atomic_write
+
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def fresh_tmp(out: Path, name: str) -> Path:
@@ -119,11 +120,19 @@ def fresh_tmp(out: Path, name: str) -> Path:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Move a fully written stage dir into place: rename is atomic on one filesystem, so readers
-    never see a half-written stage. An old complete dir only exists here under --force."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    """Move a fully written stage dir into place (one rename: readers never see a half-written
+    stage). An old complete dir only exists here under --force."""
+    from sglang_tev.train.atomic import publish_dir
+
+    publish_dir(tmp, final)
+
+
+def build_device(args):
+    """The torch device of --device (auto: cuda when present, else cpu)."""
+    import torch
+
+    return torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                        ("cpu" if args.device == "auto" else args.device))
 
 
 def stage_record(out: Path, name: str) -> dict | None:
@@ -221,25 +230,11 @@ def target_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
 
 
 def lr_at(cfg: Config, step: int) -> float:
-    """Linear warmup over `warmup` updates, then cosine decay to lr * min_lr_frac at `steps`."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+    """Linear warmup over `warmup` updates, then cosine decay to lr * min_lr_frac at `steps` (the
+    trainer's schedule, :func:`sglang_tev.train.schedule.lr_at`)."""
+    from sglang_tev.train.schedule import lr_at as schedule_lr
 
-
-def save_checkpoint(state: dict, path: Path) -> None:
-    """torch.save to a temp file, fsync, rename: a crash mid-write leaves the previous checkpoint."""
-    import torch
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return schedule_lr(step, cfg.warmup, cfg.steps, cfg.min_lr_frac, base=cfg.lr)
 
 
 def build_target(args, cfg: Config, out: Path) -> dict | None:
@@ -247,6 +242,9 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
     import torch.nn.functional as F
     from tqdm import tqdm
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    from sglang_tev.train.atomic import atomic_write
+    from sglang_tev.train.checkpoint import truncate_log
 
     tokdir = out / "tokenizer"
     if stage_record(out, "tokenizer") is None:
@@ -258,8 +256,7 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
     n_chunks = (len(train) - 1) // L
     if n_chunks < 1:
         raise UsageExit(f"argument --max-files: {len(train)} training tokens < seq_len {L}")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = build_device(args)
 
     config = Qwen3Config(
         vocab_size=-(-len(tok) // 64) * 64,  # rounded up to a multiple of 64 for kernel-friendly shapes
@@ -293,9 +290,7 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
         opt.load_state_dict(state["optim"])
         step, train_s = state["step"], state["train_s"]
         print(f"target: resuming at step {step}/{cfg.steps}", file=sys.stderr)
-    # the log may run past the last checkpoint when a run was killed: drop those lines
-    lines = log_path.read_text().splitlines() if log_path.exists() else []
-    log_path.write_text("".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= step))
+    truncate_log(log_path, step)  # the log may run past the last checkpoint when a run was killed
 
     perms: dict[int, torch.Tensor] = {}
 
@@ -348,9 +343,9 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
                 bar.set_postfix(loss=rec["loss"], tok_s=rec["tokens_per_s"])
                 win_loss, win_steps, win_s = 0.0, 0, 0.0
             if step % cfg.ckpt_every == 0 or step == stop:
-                save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
-                                 "train_s": train_s, "fingerprint": fingerprint,
-                                 "threads": torch.get_num_threads(), "device": device.type}, ckpt_path)
+                state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "train_s": train_s,
+                         "fingerprint": fingerprint, "threads": torch.get_num_threads(), "device": device.type}
+                atomic_write(ckpt_path, lambda f: torch.save(state, f))  # a crash keeps the previous one
     bar.close()
     if step < cfg.steps:
         print(f"target: stopped at step {step}/{cfg.steps} (--max-steps); rerun to resume", file=sys.stderr)
@@ -548,8 +543,7 @@ def heldout_eval(args, out: Path, drafter_dir: Path, dcfg: DraftConfig, exit_bud
     from sglang_tev.draft.dflash import DFlashDraftModel
     from sglang_tev.train import evaluate, load_dataset, load_target
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = build_device(args)
     target, tok = load_target(out / "target", device, torch.float32)
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32, device=device)
     held = load_dataset(out / "tokenizer" / "heldout.npy", dcfg.seq_len, key="heldout")
@@ -575,45 +569,84 @@ def print_heldout(stage: str, ev: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # stage 4: exittrain (ExitTrain fine-tuning of the drafter on the target's own rollouts)
 
+EXIT_RECIPE = "exittrain-tiny-code"  # sglang_tev/train/recipes/<name>.yaml
+
+
 @dataclasses.dataclass(frozen=True)
 class ExitConfig:
     """ExitTrain fine-tuning of the draft stage's drafter: arm D of
     ``benchmarks/exittrain_experiment.py`` (token CE + λ·exit loss under the target's T = 0 law),
     the arm that beat the previously shipped drafter by +8 % tau at T = 0 on held-out prompts
-    (``docs/exittrain.md``). Every field is the experiment's value; ``threads`` is pinned to 1 so
-    that the stage reproduces the experiment's run bit for bit whatever ``--threads`` says."""
-    prompts: int = 1024             # cut from the training split's files (never the held-out ones)
-    prompt_chars: int = 600
-    prompt_seed: int = 0
-    rollout_max_new_tokens: int = 256
-    rollout_temperature: float = 1.0  # the target's own sampled answers (paper App. D)
-    rollout_batch: int = 16
-    rollout_seed: int = 0
-    steps: int = 600
-    lr: float = 3e-4
-    warmup: int = 20
-    min_lr_frac: float = 0.1
-    seq_len: int = 512
-    batch: int = 4
-    anchors: int = 16
-    gamma: float = 7.0
-    token_weight: float = 1.0       # dense loss: token CE on the response tokens
-    exit_mode: str = "exit"         # the paper's w(v) = P(v)·rho(v)
-    exit_lambda: float = 36.0       # fixed in advance: exit gradient at 0.6x the token gradient
-    exit_temperature: float = 0.0   # weights from the target's greedy law (arm D)
-    budget: int = 64
-    threads: int = 1
+    (``docs/exittrain.md``). The recipe is the packaged file both read (``EXIT_RECIPE``,
+    :func:`exit_recipe`); ``threads`` is pinned there to 1 so that the stage reproduces the
+    experiment's run bit for bit whatever ``--threads`` says. Field names are the stage's (they
+    are its fingerprint and ``metrics.json``'s ``exittrain`` record)."""
+    prompts: int                    # cut from the training split's files (never the held-out ones)
+    prompt_chars: int
+    prompt_seed: int
+    rollout_max_new_tokens: int
+    rollout_temperature: float      # the target's own sampled answers (paper App. D)
+    rollout_batch: int
+    rollout_seed: int
+    steps: int
+    lr: float
+    warmup: int
+    min_lr_frac: float
+    seq_len: int
+    batch: int
+    anchors: int
+    gamma: float
+    token_weight: float             # dense loss: token CE on the response tokens
+    exit_mode: str                  # the paper's w(v) = P(v)·rho(v)
+    exit_lambda: float              # fixed in advance by the experiment: exit gradient at 0.6x the token gradient
+    exit_temperature: float         # weights from the target's greedy law (arm D)
+    budget: int
+    threads: int
     ckpt_every: int = 25
     log_every: int = 10
 
 
-FULL_EXIT = ExitConfig()
-QUICK_EXIT = ExitConfig(prompts=8, prompt_chars=120, rollout_max_new_tokens=32, rollout_batch=4, steps=3, warmup=1, seq_len=128,
-                        batch=2, anchors=8, budget=16, ckpt_every=1, log_every=1)
+# ExitConfig field -> key of the recipe's `design`
+EXIT_RECIPE_KEYS = {"prompts": "train_prompts", "prompt_chars": "prompt_chars", "prompt_seed": "prompt_seed",
+                    "rollout_max_new_tokens": "rollout_max_new_tokens", "rollout_temperature": "rollout_temperature",
+                    "rollout_batch": "rollout_batch_size", "rollout_seed": "rollout_seed", "steps": "steps",
+                    "lr": "lr", "warmup": "warmup_steps", "min_lr_frac": "min_lr_ratio", "seq_len": "seq_len",
+                    "batch": "batch_size", "anchors": "num_anchors", "gamma": "loss_decay_gamma",
+                    "token_weight": "token_weight", "budget": "budget", "threads": "threads"}
+
+
+def exit_recipe(recipe: dict | None = None) -> ExitConfig:
+    """The exittrain stage's config from the packaged recipe (``EXIT_RECIPE``): the design's
+    training keys, the loss of arm ``shipped.arm`` and the λ ``shipped.lambda``."""
+    from sglang_tev.train.config import load_recipe
+
+    r = load_recipe(EXIT_RECIPE) if recipe is None else recipe
+    design, shipped = r["design"], r["shipped"]
+    arm = r["arms"][shipped["arm"]]
+    return ExitConfig(**{f: design[k] for f, k in EXIT_RECIPE_KEYS.items()}, exit_mode=arm["mode"],
+                      exit_lambda=float(shipped["lambda"]), exit_temperature=float(arm["temperature"]))
+
+
+@functools.cache
+def exit_configs() -> dict[str, ExitConfig]:
+    """``{"full": FULL_EXIT, "quick": QUICK_EXIT}``, read from the recipe on first use (importing
+    the package costs seconds: argument errors and --help stay instant)."""
+    full = exit_recipe()
+    quick = dataclasses.replace(full, prompts=8, prompt_chars=120, rollout_max_new_tokens=32, rollout_batch=4,
+                                steps=3, warmup=1, seq_len=128, batch=2, anchors=8, budget=16, ckpt_every=1,
+                                log_every=1)
+    return {"full": full, "quick": quick}
+
+
+def __getattr__(name: str):
+    """``FULL_EXIT`` / ``QUICK_EXIT`` as module attributes (PEP 562), from :func:`exit_configs`."""
+    if name in ("FULL_EXIT", "QUICK_EXIT"):
+        return exit_configs()[name.split("_")[0].lower()]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def exit_config_for(cfg: Config) -> ExitConfig:
-    return QUICK_EXIT if is_quick(cfg) else FULL_EXIT
+    return exit_configs()["quick" if is_quick(cfg) else "full"]
 
 
 def exittrain_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
@@ -628,6 +661,7 @@ def build_exittrain(args, cfg: Config, out: Path) -> dict | None:
     drafter before and after. Resumes from the trainer's checkpoints and the rollout cache in
     OUTDIR/exittrain_train/."""
     import torch
+    from sglang_tev.train.atomic import atomic_write
     from sglang_tev.train.rollout import cut_prompts
 
     if stage_record(out, "draft") is None:
@@ -642,8 +676,7 @@ def build_exittrain(args, cfg: Config, out: Path) -> dict | None:
             rows = cut_prompts(split["stdlib"], split["train"], ecfg.prompts, ecfg.prompt_seed, ecfg.prompt_chars)
         except ValueError as e:
             raise UsageExit(f"argument --max-files: the training files are too few for the exittrain stage ({e})") from None
-        prompts.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(prompts.with_suffix(".tmp"), prompts)
+        atomic_write(prompts, "".join(json.dumps(r) + "\n" for r in rows), tmp=prompts.with_suffix(".tmp"))
     run_cfg = {
         "target": str(out / "target"), "draft_init": str(out / "draft"), "output_dir": str(work),
         "max_steps": ecfg.steps, "seq_len": ecfg.seq_len, "batch_size": ecfg.batch,
@@ -918,12 +951,7 @@ def build_ship(args, cfg: Config, out: Path) -> dict | None:
                 total += src.stat().st_size
     shutil.copyfile(out / "bench" / "results.json", staging / "bench_results.json")
     (staging / "README.md").write_text(model_card(out))
-    old = ASSETS.parent / ".tiny-code.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if ASSETS.exists():
-        ASSETS.rename(old)
-    staging.rename(ASSETS)
-    shutil.rmtree(old, ignore_errors=True)
+    publish(staging, ASSETS)
     summary = {"assets": str(ASSETS), "bytes": total}
     tmp = fresh_tmp(out, "ship")
     write_json(tmp / "stage.json", {"fingerprint": ship_fingerprint(cfg, args.seed, out), "summary": summary})

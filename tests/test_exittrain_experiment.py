@@ -225,19 +225,41 @@ def test_only_one_of_report_collect_and_data_only(X, tmp_path, capsys):
 
 def test_build_scripts_exittrain_stage_is_arm_d_as_measured(X):
     """The package's default drafter is made by scripts/build_tiny_code.py's exittrain stage; its
-    recipe must be the experiment's arm D (design, arm and the λ the experiment measured)."""
+    recipe must be the experiment's arm D (design, arm and the λ the experiment measured). Both read
+    ONE packaged recipe file, so they cannot drift apart: the test checks they read the same file
+    and that what the build makes of it is the experiment's arm D at the measured λ."""
+    import dataclasses
+
+    import yaml
+
+    from sglang_tev.train.config import RECIPES, load_recipe
+
     spec = importlib.util.spec_from_file_location("build_tiny_code", ROOT / "scripts" / "build_tiny_code.py")
     btc = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = btc
     spec.loader.exec_module(btc)
+    assert btc.EXIT_RECIPE == X.RECIPE_NAME
+    path = RECIPES / f"{X.RECIPE_NAME}.yaml"
+    recipe = yaml.safe_load(path.read_text())
+    assert load_recipe(X.RECIPE_NAME) == recipe == X.RECIPE
+    assert X.DESIGN == recipe["design"] and X.ARMS == {k: (v["mode"], v["temperature"]) for k, v in recipe["arms"].items()}
+    # the build reads the same file: change a value there and FULL_EXIT follows
     E, D = btc.FULL_EXIT, X.DESIGN
-    pairs = {"prompts": "train_prompts", "prompt_chars": "prompt_chars", "prompt_seed": "prompt_seed",
-             "rollout_max_new_tokens": "rollout_max_new_tokens", "rollout_temperature": "rollout_temperature",
-             "rollout_batch": "rollout_batch_size", "rollout_seed": "rollout_seed", "steps": "steps", "lr": "lr",
-             "warmup": "warmup_steps", "min_lr_frac": "min_lr_ratio", "seq_len": "seq_len", "batch": "batch_size",
-             "anchors": "num_anchors", "gamma": "loss_decay_gamma", "token_weight": "token_weight",
-             "budget": "budget", "threads": "threads"}
+    assert E == btc.exit_recipe(recipe)
+    moved = json.loads(json.dumps(recipe))
+    moved["design"]["lr"] *= 2
+    assert btc.exit_recipe(moved) == dataclasses.replace(E, lr=2 * D["lr"])
+    pairs = btc.EXIT_RECIPE_KEYS
+    assert set(pairs) | {"exit_mode", "exit_lambda", "exit_temperature", "ckpt_every", "log_every"} == \
+        {f.name for f in dataclasses.fields(E)}
     assert {k: getattr(E, k) for k in pairs} == {k: D[v] for k, v in pairs.items()}
-    assert D["distill_weight"] == 0.0 and (E.exit_mode, E.exit_temperature) == X.ARMS["D"]
+    assert D["distill_weight"] == 0.0 and recipe["shipped"]["arm"] == "D"
+    assert (E.exit_mode, E.exit_temperature) == X.ARMS["D"] == ("exit", 0.0)
     results = json.loads((ROOT / "benchmarks" / "results" / "exittrain-experiment.json").read_text())
     assert E.exit_lambda == results["lambda"]["lambda"]
+    # the experiment's results were made under this design (a later session continues from them)
+    assert results["design"] == json.loads(json.dumps(D))
+    # the recipe ships with the package
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"train/recipes/*.yaml"' in pyproject
+    assert (ROOT / "sglang_tev" / "train" / "recipes" / path.name).read_text() == path.read_text()
