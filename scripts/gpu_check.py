@@ -22,15 +22,15 @@ traceback in the log) and the script goes on.
    bf16 and fp32 logits, B in {64, 32, 128}, T in {0.6, 1.0}, plain / top-k / top-p / min-p /
    top-k with top-p / per-row parameters (one greedy row), on ragged batches of four trees (one
    root-only; padded rows hold NaN, every row one -inf; each node's first child about 0.7 of its
-   law) built by ``tests/triton_tev_cases.py``'s ``make_case``; a row where the kernel and the
+   law) built by ``sglang_tev.testing.triton_cases.make_case``; a row where the kernel and the
    float32 reference part is settled by the float64 reference (rounding at an inverse-CDF
    boundary); ``verify_tree``'s default backend on CUDA is the kernel; then chi-square of the
    kernel's (exit node, bonus) against the enumerated law (``kernel_draws_against_law`` there)
    with 20k draws per case.
 2. ``runtime``: the transformers runtime (``SpeculativeGenerator``) with a small random Qwen3
-   target + random DFlash drafter (``tests/test_hf_runtime.py``'s builders, float32) and with
+   target + random DFlash drafter (``sglang_tev.testing.models``' builders, float32) and with
    the shipped trained tiny-code pair (real acceptance): greedy output equal to plain HF greedy
-   decoding (``tests/tiny_pair.plain_greedy``), eager and ``cuda_graphs=True`` each, batch 1 and
+   decoding (``sglang_tev.testing.models.plain_greedy``), eager and ``cuda_graphs=True`` each, batch 1 and
    4 (ragged prompts), graphs output equal to eager (and no capture fell back to eager); a
    sampled batch (T = 1, top-p 0.9) runs to length in both modes.
 3. ``timing``: verifier decision latency (tev-triton, tev torch, predraw, sequential, greedy) at
@@ -88,7 +88,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "benchmarks", ROOT / "tests", ROOT):  # ROOT ends up first: this checkout's sglang_tev
+for _p in (ROOT / "benchmarks", ROOT):  # ROOT ends up first: this checkout's sglang_tev
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -223,7 +223,7 @@ def _triton_case(ctx: dict, cfg: dict, B: int, T: float):
     spread over V), so exits fall at every depth at either temperature."""
     key = ("triton-case", B, T)
     if key not in ctx:
-        from triton_tev_cases import DEVICE, make_case
+        from sglang_tev.testing.triton_cases import DEVICE, make_case
 
         ctx.pop(next((k for k in ctx if isinstance(k, tuple) and k[0] == "triton-case"), None), None)  # free the last
         V = cfg["vocab"]
@@ -307,7 +307,7 @@ def _triton_dispatch(ctx, rec, cfg):
 
 def _triton_chi2(ctx, rec, cfg, case):
     need_triton(cfg)
-    from triton_tev_cases import ALPHA, kernel_draws_against_law
+    from sglang_tev.testing.triton_cases import ALPHA, kernel_draws_against_law
 
     got = kernel_draws_against_law(case, cfg["chi2_draws"])
     fails = []
@@ -358,8 +358,7 @@ def _runtime_load(ctx, rec, cfg, pair):
 
     dev = _device()
     if pair == "random":  # the runtime tests' random pair (float32)
-        from test_hf_batch import RAGGED
-        from test_hf_runtime import dflash_for, qwen3
+        from sglang_tev.testing.models import RAGGED, dflash_for, qwen3
 
         target = qwen3(0).to(dev)
         draft = dflash_for(target).to(dev)
@@ -398,7 +397,7 @@ def _generator(ctx, pair, mode):
 
 
 def _runtime_greedy(ctx, rec, cfg, pair, batch, mode):
-    from tiny_pair import plain_greedy
+    from sglang_tev.testing.models import plain_greedy
 
     m = ctx[pair]
     n = cfg["runtime_new_tokens"]

@@ -11,8 +11,7 @@ from test_hf_runtime import V, dflash_for, plain_greedy, qwen3
 from sglang_tev import SamplingParams, processed_probs
 from sglang_tev.hf.drafters import DFlashDrafter, OracleDrafter
 from sglang_tev.hf.runtime import Request, SpeculativeGenerator
-
-RAGGED = [[3, 17, 29, 41, 5], [60, 2, 2, 9, 33, 71, 80, 14, 1, 44, 12], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+from sglang_tev.testing.models import RAGGED
 
 
 @pytest.fixture(scope="module")

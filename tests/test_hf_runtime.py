@@ -6,46 +6,19 @@ import numpy as np
 import pytest
 import torch
 from exact_law import chi_square_pvalue
-from tiny_pair import plain_greedy
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from sglang_tev import SamplingParams, processed_probs
-from sglang_tev.draft.dflash import DFlashConfig, DFlashDraftModel
+from sglang_tev.draft.dflash import DFlashDraftModel
 from sglang_tev.hf.drafters import DFlashDrafter, OracleDrafter
 from sglang_tev.hf.runtime import SpeculativeGenerator, cache_kwargs
-
-V = 96
-
-
-def randomize(module, seed, std=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight") else std * torch.randn(p.shape, generator=g))
-    return module.eval()
-
-
-def qwen3(seed=0, vocab=V, layers=3, max_pos=512):
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=12, max_position_embeddings=max_pos, attn_implementation="sdpa", tie_word_embeddings=False)
-    return randomize(Qwen3ForCausalLM(cfg), seed)
+from sglang_tev.testing.models import V, dflash_for, plain_greedy, qwen3, randomize
 
 
 def llama(seed=0):
     cfg = LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa")
     return randomize(LlamaForCausalLM(cfg), seed)
-
-
-def dflash_for(target, seed=1, block_size=6, **over):
-    tc = target.config
-    d = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=tc.hidden_size, intermediate_size=64,
-             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6,
-             rope_theta=10000.0, max_position_embeddings=tc.max_position_embeddings, vocab_size=tc.vocab_size,
-             block_size=block_size, num_target_layers=tc.num_hidden_layers,
-             dflash_config=dict(mask_token_id=tc.vocab_size - 1, target_layer_ids=[0, tc.num_hidden_layers - 1]))
-    d.update(over)
-    return randomize(DFlashDraftModel(DFlashConfig.from_dict(d)), seed)
 
 
 PROMPTS = [[3, 17, 29, 41, 5], [60, 2, 2, 9, 33, 71, 80, 14, 1, 44, 12], [7]]

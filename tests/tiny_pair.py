@@ -15,29 +15,10 @@ from pathlib import Path
 
 import torch
 
+from sglang_tev.testing.models import plain_greedy  # noqa: F401  (re-exported: the tests import it from here)
+
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 VOCAB, HIDDEN, LAYERS, MAX_POS, BLOCK = 320, 64, 4, 256, 4
-
-
-def plain_greedy(model, prompt, n, stops=()) -> list[int]:
-    """Reference: plain target greedy decoding with a DynamicCache on the model's device; the ``n``
-    new ids (fewer when a token of ``stops`` comes first, which is kept)."""
-    from transformers import DynamicCache
-
-    from sglang_tev.hf.runtime import cache_kwargs
-
-    out = []
-    dev = next(model.parameters()).device
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        logits = model(torch.tensor([list(prompt)], device=dev), **cache_kwargs(model, cache)).logits[0, -1]
-        for _ in range(n):
-            t = int(logits.argmax())
-            out.append(t)
-            if t in stops:
-                break
-            logits = model(torch.tensor([[t]], device=dev), **cache_kwargs(model, cache)).logits[0, -1]
-    return out
 
 
 CHAT_TEMPLATE = (
