@@ -48,15 +48,15 @@ class _Stop(Exception):
 def runtime_round(gen, ids, budget, temperature, monkeypatch):
     """The runtime's first TEV round on the context ``ids`` (root ``ids[-1]``): its tree and the
     target's tree logits, captured at the verify stage (the round is then abandoned)."""
-    from sglang_tev.hf import runtime
+    from sglang_tev.hf import round as hf_round
 
     got = {}
 
-    def capture(self, tree, logits):
+    def capture(state, tree, logits):
         got["tree"], got["logits"] = tree, logits.clone()
         raise _Stop
 
-    monkeypatch.setattr(runtime._Run, "verify", capture)
+    monkeypatch.setattr(hf_round, "verify", capture)
     with pytest.raises(_Stop):
         gen.generate(list(ids), method="tev", budget=budget, sampling=SamplingParams(temperature=temperature),
                      seed=0, max_new_tokens=16, ignore_eos=True)

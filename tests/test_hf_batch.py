@@ -185,23 +185,23 @@ def test_static_shapes_give_identical_greedy_output(target):
 
 def test_kept_tree_mask_equals_the_built_mask(target, monkeypatch):
     """The tree mask kept in one buffer and updated in place equals the mask built from scratch
-    (static_cache.tree_masks) at every round: ragged rows, slots refilled and rows moved."""
-    from sglang_tev.hf import runtime as rt
-    from sglang_tev.hf.static_cache import tree_masks
+    (masks.tree_masks) at every round: ragged rows, slots refilled and rows moved."""
+    from sglang_tev.hf.masks import KeptTreeMask, attention_layout, tree_masks
     from sglang_tev.tree import additive_mask
 
-    kept = rt._Run._kept_tree_mask
+    kept = KeptTreeMask.update
+    layout = attention_layout(target.config)
     calls = []
 
-    def checked(self, tree, kv_len):
-        m = kept(self, tree, kv_len)
-        lens = torch.tensor([r.past_len for r in self.active])
-        want = tree_masks(self.g.layout, lens, tree.depth, tree.ancestor_mask, kv_len)
+    def checked(self, tree, rows, kv_len):
+        m = kept(self, tree, rows, kv_len)
+        lens = torch.tensor([r.past_len for r in rows])
+        want = tree_masks(layout, lens, tree.depth, tree.ancestor_mask, kv_len)
         assert torch.equal(m, additive_mask(want, m.dtype))
-        calls.append(len(self.active))
+        calls.append(len(rows))
         return m
 
-    monkeypatch.setattr(rt._Run, "_kept_tree_mask", checked)
+    monkeypatch.setattr(KeptTreeMask, "update", checked)
     d = OracleDrafter(target, V, accuracy=0.7, block_size=8, seed=2)
     gen = SpeculativeGenerator(target, d)
     prompts = RAGGED + [[5, 6, 7], [9] * 12]
@@ -245,13 +245,13 @@ def test_compact_one_row_fast_path_equals_the_gather(monkeypatch, native, dtype)
 @pytest.mark.parametrize("native", [True, False])
 def test_gather_nodes_equals_index_select(monkeypatch, native):
     """The one-row feature gather of the commit (a C copy on CPU) equals feats.index_select."""
-    from sglang_tev.hf import runtime as rt
+    from sglang_tev.hf import round as hf_round
 
     if not native:
-        monkeypatch.setattr(rt, "native", lambda name: None)
+        monkeypatch.setattr(hf_round, "native", lambda name: None)
     feats = torch.randn(1, 9, 12)
     for nodes in ([0, 1, 4, 7], [0], [0, 2, 3, 5, 6, 8]):
-        assert torch.equal(rt._gather_nodes(feats, nodes), feats.index_select(1, torch.tensor(nodes)))
+        assert torch.equal(hf_round.gather_nodes(feats, nodes), feats.index_select(1, torch.tensor(nodes)))
 
 
 def dynamic_rope_qwen3(seed, max_pos):
@@ -275,20 +275,20 @@ def test_rows_at_the_position_limit_feed_no_position_past_it(monkeypatch, drafte
     node's logits equal a plain forward's, and both rows equal plain greedy decoding."""
     import copy
 
-    from sglang_tev.hf import runtime as rt
+    from sglang_tev.hf import round as hf_round
 
     tgt = dynamic_rope_qwen3(3, 32)
     plain = copy.deepcopy(tgt)  # never sees a position >= 32, so its RoPE is never rescaled
     rounds = []
-    orig = rt._Run.tree_forward
+    orig = hf_round.tree_forward
 
-    def spy(self, tree, inputs):
-        logits, feats = orig(self, tree, inputs)
-        ctx = [self.tokens[i, : r.past_len].tolist() for i, r in enumerate(self.active)]
+    def spy(state, tree, inputs):
+        logits, feats = orig(state, tree, inputs)
+        ctx = [state.tokens[i, : r.past_len].tolist() for i, r in enumerate(state.rows)]
         rounds.append((ctx, tree, logits.clone()))
         return logits, feats
 
-    monkeypatch.setattr(rt._Run, "tree_forward", spy)
+    monkeypatch.setattr(hf_round, "tree_forward", spy)
     prompts = [[(7 * i + 3) % (V - 1) for i in range(29)], [3, 17, 29, 41, 5]]
     # the oracle (its own copy: it scores continuations past the limit) accepts 2 + bonus at 28, so
     # the long row's next root sits at 31; the fixed drafter is rarely accepted (one token a round)

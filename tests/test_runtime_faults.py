@@ -16,10 +16,11 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from sglang_tev import SamplingParams, processed_probs
+from sglang_tev.hf import round as hf_round
 from sglang_tev.hf import runtime as rt
 from sglang_tev.hf.drafters import OracleDrafter
 from sglang_tev.hf.runtime import NonFiniteLogitsError, Request, SpeculativeGenerator, cache_kwargs
-from sglang_tev.hf.static_cache import attention_layout
+from sglang_tev.hf.masks import attention_layout
 
 METHODS = ["tev", "predraw", "sequential", "greedy", "chain", "autoregressive"]
 
@@ -238,14 +239,14 @@ def test_no_budget_below_a_stop_token(target, monkeypatch):
             self.logits, self.block_size = logits, 6
 
     trees = []
-    real = rt.build_ddtree
+    real = hf_round.build_ddtree
 
     def spy(*a, **k):
         t = real(*a, **k)
         trees.append(t)
         return t
 
-    monkeypatch.setattr(rt, "build_ddtree", spy)
+    monkeypatch.setattr(hf_round, "build_ddtree", spy)
     def nodes_below_stop():
         below = 0
         for t in trees:
@@ -253,7 +254,7 @@ def test_no_budget_below_a_stop_token(target, monkeypatch):
             below += int((t.valid[:, 1:] & (t.parents[:, 1:] > 0) & (par_tok[:, 1:] == stop)).sum())
         return below
 
-    monkeypatch.setattr(rt, "build_ddtree", spy)
+    monkeypatch.setattr(hf_round, "build_ddtree", spy)
     gen = SpeculativeGenerator(target, StopLover())
     target.generation_config.eos_token_id = stop
     try:

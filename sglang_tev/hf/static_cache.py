@@ -1,74 +1,45 @@
-"""A static, preallocated KV cache with per-row lengths, and the attention masks that go with it.
+"""A static, preallocated KV cache with per-row lengths, and how a cache is handed to a
+transformers model (:func:`cache_kwargs`).
 
 Layout: per target layer, keys and values ``[rows, kv_heads, max_len, head_dim]`` allocated once
 (at the first write, when the head shapes are known). Row r holds the KV of positions
 ``[0, lengths[r])`` in slots ``[0, lengths[r])`` (slot = position). A forward writes its tokens at
 slots given per row (:meth:`StaticKVCache.begin`) and attends over slots ``[0, kv_len)``; the
-4-D mask decides what each query sees, so rows of different lengths share one forward. Nothing
-beyond a row's length is ever visible, so stale entries there need no clearing.
+4-D mask (``hf/masks.py``) decides what each query sees, so rows of different lengths share one
+forward. Nothing beyond a row's length is ever visible, so stale entries there need no clearing.
 
 The round's commit moves each row's accepted tree nodes to the front of its tree window with one
-gather per layer (:meth:`StaticKVCache.compact`); no ``torch.cat`` growth, no crop.
-
-Attention windows (DESIGN §5; issue 11 item 1): the target's ``layer_types`` (``full_attention``,
-``sliding_attention``) and ``sliding_window`` (a query at position q sees keys at positions p with
-``q - p < sliding_window``, as transformers' ``sliding_window_overlay``) are applied in the mask
-per layer type; the cache keeps every position for every layer (the mask hides what a window
-excludes), so commit never indexes a trimmed cache.
+gather per layer (:meth:`StaticKVCache.compact`); no ``torch.cat`` growth, no crop. The cache keeps
+every position for every layer, sliding-window layers included (their masks hide what the window
+excludes).
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import torch
 
 from ..draft.host_native import native
 
-__all__ = ["StaticKVCache", "AttentionLayout", "attention_layout"]
+__all__ = ["StaticKVCache", "cache_kwarg_name", "cache_kwargs"]
 
 
-class AttentionLayout:
-    """Which mask each target layer needs.
-
-    Attributes:
-        windows: dict layer type -> window (None = full attention), one entry per distinct type.
-        per_type: True when the model takes a dict ``{layer type: mask}`` (mixed layer types).
-    """
-
-    def __init__(self, windows: dict[str, int | None], per_type: bool) -> None:
-        self.windows = windows
-        self.per_type = per_type
+def cache_kwarg_name(model) -> str:
+    """The KV-cache keyword of ``model.forward``: ``cache`` where transformers has renamed it
+    (the signature says so; 5.2x), else ``past_key_values`` (which newer releases accept only
+    until their removal)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
 
 
-_SUPPORTED_TYPES = ("full_attention", "sliding_attention")
-
-
-def attention_layout(config) -> AttentionLayout:
-    """The attention layout of a transformers config.
-
-    ``layer_types`` when the config has it (Qwen2/3, Gemma 2/3, ...), else every layer full, or
-    every layer windowed when ``sliding_window`` is set without layer types (Mistral).
-
-    Raises:
-        ValueError naming ``target``: a layer type other than full or sliding attention (chunked,
-        linear, ...), or a sliding layer without a positive ``sliding_window``.
-    """
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if not types:
-        if window is not None and getattr(config, "use_sliding_window", True):
-            return AttentionLayout({"sliding_attention": int(window)}, per_type=False)
-        return AttentionLayout({"full_attention": None}, per_type=False)
-    kinds = sorted(set(types))
-    for t in kinds:
-        if t not in _SUPPORTED_TYPES:
-            raise ValueError(f"target: layer type {t!r} (config.layer_types) is not supported by the tree runtime; "
-                             f"supported: {_SUPPORTED_TYPES}")
-    if "sliding_attention" in kinds and (window is None or int(window) < 1):
-        raise ValueError(f"target: sliding_attention layers need config.sliding_window >= 1, got {window!r}")
-    windows = {t: (int(window) if t == "sliding_attention" else None) for t in kinds}
-    return AttentionLayout(windows, per_type=len(kinds) > 1)
+def cache_kwargs(model, cache) -> dict:
+    """``{cache_kwarg_name(model): cache}``, to pass a KV cache to ``model(...)``."""
+    return {cache_kwarg_name(model): cache}
 
 
 class StaticKVCache:
@@ -185,52 +156,3 @@ class StaticKVCache:
             buf = self.extra[i] if i in self.extra else self.kv[i]
             out.append((buf[0, row: row + 1, :, :length], buf[1, row: row + 1, :, :length]))
         return out
-
-
-def tree_masks(layout: AttentionLayout, lengths: torch.Tensor, depth: torch.Tensor, ancestor: torch.Tensor,
-               kv_len: int):
-    """Bool masks (True = attend) of tree queries over ``[cached context | tree window]``.
-
-    Args:
-        lengths: int64 [b], cached positions per row (the tree of row r sits in slots
-            ``lengths[r] + [0, N)``, its root at position ``lengths[r]``).
-        depth: int64 [b, N]; ancestor: bool [b, N, N] (self included), from the DraftTree.
-        kv_len: slots the attention reads (>= max(lengths) + N).
-    Returns:
-        one bool tensor [b, 1, N, kv_len], or a dict layer type -> mask when the layout is mixed.
-
-    A node at depth d sits at position ``lengths + d`` and sees the context, its ancestors and
-    itself; in a window W only keys at positions p with ``position - p < W`` (a tree key at depth
-    d' is at ``lengths + d'``). No host sync.
-    """
-    b, n = depth.shape
-    dev = depth.device
-    col = torch.arange(kv_len, device=dev).view(1, 1, kv_len)
-    base = lengths.view(b, 1, 1)
-    j = col - base  # tree slot index of each column (negative: context)
-    in_tree = (j >= 0) & (j < n)
-    jc = j.clamp(0, n - 1).expand(b, n, kv_len)
-    vis = (col < base) | (in_tree & ancestor.gather(2, jc))
-    out = {}
-    for kind, window in layout.windows.items():
-        if window is None:
-            out[kind] = vis.unsqueeze(1)
-        else:
-            kpos = torch.where(in_tree, base + depth.gather(1, jc[:, 0, :]).unsqueeze(1), col)  # [b, 1, kv_len]
-            qpos = base + depth.unsqueeze(-1)  # [b, N, 1]
-            out[kind] = (vis & (qpos - kpos < window)).unsqueeze(1)
-    return out if layout.per_type else next(iter(out.values()))
-
-
-def prefill_masks(layout: AttentionLayout, lengths: torch.Tensor, t: int):
-    """Bool causal masks [b, 1, t, t] of a ragged prefill (row r's tokens at positions
-    ``[0, lengths[r])``, padded to ``t``; a padded query sees only keys of its own row's prefix and
-    itself, so no row of the mask is empty)."""
-    dev = lengths.device
-    q = torch.arange(t, device=dev).view(1, t, 1)
-    k = torch.arange(t, device=dev).view(1, 1, t)
-    base = (k <= q) & ((k < lengths.view(-1, 1, 1)) | (k == q))
-    out = {}
-    for kind, window in layout.windows.items():
-        out[kind] = (base if window is None else base & (q - k < window)).unsqueeze(1)
-    return out if layout.per_type else next(iter(out.values()))
