@@ -5,7 +5,7 @@ Two servers per module, started once and concurrently (``tests/sglang_cpu/hosts.
 N = 17 and SGLang's plain decoding, both bf16 with ``--attention-backend tev_cpu`` and SGLang's
 built-in ``chatml`` chat template (the tiny target has none). References: HF
 ``generate(do_sample=False)`` of the same target in bf16 (tokens), and the plain server (what SGLang
-itself serves without speculation: logprobs, grammars, logit bias, and the penalties TEV refuses).
+itself serves without speculation: logprobs, grammars, logit bias, penalties).
 
 Token comparisons use the near-tie rule of ``test_sglang_engine``: the ids are equal, or they first
 differ where the two tokens' bf16 target logits are within ``TIE`` of each other.
@@ -546,36 +546,46 @@ PATH_DEPENDENT_OPENAI = [("frequency_penalty", 1.0), ("presence_penalty", 1.0), 
 NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
 
 
-def test_path_dependent_sampling_options_get_http_400_naming_the_option(tev, plain):
+def test_path_dependent_sampling_options_are_served_with_plain_decodings_tokens(tev, plain, tokenizer, hf_model):
     """Penalties and ``min_new_tokens`` depend on the tokens generated so far, which differ along
-    each tree path: TEV refuses them per request (``sglang_tev/srt/admission.py``), by name, on the
-    native and the OpenAI routes, and serves their neutral values with plain decoding's tokens.
-    Plain decoding serves each of them and its output changes with it (here the stop token 1098
-    first comes at output position 3, which ``min_new_tokens`` = 5 holds back), so a server that
-    ignored them would answer with wrong tokens. (Measured before the refusal: SGLang 0.5.23's
-    DFlash-family verify drops them: ``apply_dflash_verify_logits_adjustments`` reads
-    ``acc_linear_penalties``, a field ``SamplingBatchInfo`` does not have, and no output token is
-    ever counted; TEV's tokens were the unpenalized ones.)"""
+    each tree path: TEV recomputes them at every node from SGLang's penalizer state plus the node's
+    path (``sglang_tev/srt/penalties.py``), on the native and the OpenAI routes, with plain
+    decoding's tokens up to bf16 near-ties of the penalised law (penalties make exact ties common:
+    presence 1.0 on bf16 logits lands tokens on one value). Plain decoding's output changes with
+    each of them (here the stop token 1098 first comes at output position 3, which
+    ``min_new_tokens`` = 5 holds back), so a server that ignored them would answer with other
+    tokens. (SGLang 0.5.23's DFlash-family verify drops them: ``apply_dflash_verify_logits_adjustments``
+    reads ``acc_linear_penalties``, a field ``SamplingBatchInfo`` does not have, and no output
+    token is ever counted; before issue 25 TEV refused them with a 400.) The Engine-level checks
+    are in ``tests/test_sglang_penalties.py``."""
+    from test_sglang_penalties import PenalisedModel
+
     text = "def fibonacci(n):"
-    extra = {"min_new_tokens": {"stop_token_ids": [1098]}}
-    calls = [lambda o=o, v=v: tev.post("/generate", greedy(text, 40, **{o: v}, **extra.get(o, {}))) for o, v in PATH_DEPENDENT]
-    calls += [lambda o=o, v=v: tev.post("/v1/completions", completion(text, 8, **{o: v})) for o, v in PATH_DEPENDENT_OPENAI]
-    calls += [lambda o=o, v=v: ok(plain, "/generate", greedy(text, 40, **{o: v}, **extra.get(o, {}))) for o, v in PATH_DEPENDENT]
-    calls += [
-        lambda: ok(plain, "/generate", greedy(text, 40)),
-        lambda: ok(tev, "/generate", greedy(text, 40, **NEUTRAL)),
-    ]
+    prompt = tokenizer(text).input_ids
+    extra = {"min_new_tokens": {"stop_token_ids": [1098]}, "min_tokens": {"stop_token_ids": [1098]}}
+    native = [greedy(text, 40, **{o: v}, **extra.get(o, {})) for o, v in PATH_DEPENDENT]
+    openai = [completion(text, 12, **{o: v}, **extra.get(o, {})) for o, v in PATH_DEPENDENT_OPENAI]
+    without = [completion(text, 12, **extra.get(o, {})) for o, _ in PATH_DEPENDENT_OPENAI]  # the stop id kept
+    calls = [lambda b=b: ok(tev, "/generate", b) for b in native] + [lambda b=b: ok(plain, "/generate", b) for b in native]
+    calls += [lambda b=b: ok(tev, "/v1/completions", b) for b in openai] + [lambda b=b: ok(plain, "/v1/completions", b) for b in openai]
+    calls += [lambda b=b: ok(plain, "/v1/completions", b) for b in without]
+    calls += [lambda: ok(plain, "/generate", greedy(text, 40)), lambda: ok(tev, "/generate", greedy(text, 40, **NEUTRAL))]
     out = run_all(*calls)
     n = len(PATH_DEPENDENT)
-    refused, refused_openai, plain_out, (unpenalized, neutral) = out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n :]
-    for (name, value), (status, body) in zip(PATH_DEPENDENT, refused):
-        assert status == 400, (name, status, body)
-        assert f"{name}={value!r}" in error_message(body) and "TEV" in error_message(body), body
-    for (name, _), (status, body) in zip(PATH_DEPENDENT_OPENAI, refused_openai):
-        internal = "min_new_tokens" if name == "min_tokens" else name  # OpenAI min_tokens is min_new_tokens
-        assert status == 400 and internal in error_message(body), (name, status, body)
-    for (name, _), o in zip(PATH_DEPENDENT, plain_out):
-        assert o["output_ids"] != unpenalized["output_ids"], f"{name} does not change plain decoding here"
+    tev_native, plain_native, tev_openai, plain_openai, plain_without = (out[i * n : (i + 1) * n] for i in range(5))
+    unpenalized, neutral = out[5 * n :]
+    for (name, _), body, t, p in zip(PATH_DEPENDENT, native, tev_native, plain_native):
+        assert p["output_ids"] != unpenalized["output_ids"], f"{name} does not change plain decoding here"
+        model = PenalisedModel(hf_model, [prompt], [body["sampling_params"]])
+        assert_same_ids([t["output_ids"]], [p["output_ids"]], [prompt], model, f"/generate {name}", max_flips=1)
+    for (name, _), (internal, _), body, t, p, u in zip(
+        PATH_DEPENDENT_OPENAI, PATH_DEPENDENT, openai, tev_openai, plain_openai, plain_without
+    ):  # OpenAI min_tokens is SGLang's min_new_tokens
+        assert p["choices"][0]["text"] != u["choices"][0]["text"], f"{name} does not change /v1/completions"
+        params = {internal: body[name], **extra.get(name, {})}
+        model = PenalisedModel(hf_model, [prompt], [params])
+        ids = [tokenizer(r["choices"][0]["text"], add_special_tokens=False).input_ids for r in (t, p)]
+        assert_same_ids([ids[0]], [ids[1]], [prompt], model, f"/v1/completions {name}", max_flips=1)
     assert neutral["output_ids"] == unpenalized["output_ids"]
     assert_alive(tev)
 

@@ -90,26 +90,22 @@ def test_bad_settings_raise_one_clear_error(kw, env, match):
         assert vars(sa) == before  # refused before any write
 
 
-@pytest.mark.parametrize(
-    "params,match",
-    [
-        ({"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
-        ({"presence_penalty": -1.0}, "presence_penalty=-1.0"),
-        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
-        ({"min_new_tokens": 3}, "min_new_tokens=3"),
-    ],
-)
-def test_path_dependent_options_are_refused_per_request(params, match):
-    from sglang_tev.srt.admission import _after_validate, check_sampling_params
+def test_admission_refuses_what_the_table_lists(monkeypatch):
+    """Nothing is refused per request today (penalties and min_new_tokens are served since issue
+    25); the check still refuses, by name, whatever :data:`REFUSED_OPTIONS` lists."""
+    import sglang_tev.srt.admission as A
 
-    with pytest.raises(ValueError, match="TEV: sampling parameter " + match):
-        check_sampling_params(dict(params, temperature=0.7))
+    assert A.REFUSED_OPTIONS == {}
+    monkeypatch.setattr(A, "REFUSED_OPTIONS", {"frequency_penalty": (0.0, "a test reason")})
+    with pytest.raises(ValueError, match="TEV: sampling parameter frequency_penalty=0.5 .*a test reason"):
+        A.check_sampling_params({"frequency_penalty": 0.5, "temperature": 0.7})
+    A.check_sampling_params({"frequency_penalty": 0.0})
     tev = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="TEV"))
     other = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="EAGLE"))
-    req = SimpleNamespace(sampling_params=dict(params))
-    with pytest.raises(ValueError, match=match):
-        _after_validate(None, tev, req, [1, 2])
-    assert _after_validate("ok", other, req, [1, 2]) == "ok"  # other algorithms are not touched
+    req = SimpleNamespace(sampling_params={"frequency_penalty": 0.5})
+    with pytest.raises(ValueError, match="frequency_penalty=0.5"):
+        A._after_validate(None, tev, req, [1, 2])
+    assert A._after_validate("ok", other, req, [1, 2]) == "ok"  # other algorithms are not touched
 
 
 def test_served_options_pass_admission():
@@ -117,8 +113,8 @@ def test_served_options_pass_admission():
 
     check_sampling_params(None)
     check_sampling_params(
-        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "frequency_penalty": 0.0, "presence_penalty": 0,
-         "repetition_penalty": 1.0, "min_new_tokens": 0, "logit_bias": {"5": 1.0}, "regex": "[a-z]+", "n": 2}
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "frequency_penalty": 0.5, "presence_penalty": -1.0,
+         "repetition_penalty": 1.1, "min_new_tokens": 3, "logit_bias": {"5": 1.0}, "regex": "[a-z]+", "n": 2}
     )  # fmt: skip
 
 

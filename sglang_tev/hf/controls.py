@@ -18,6 +18,9 @@ frequency and presence penalties, then logit bias, then the user's logits proces
 * ``logits_processor``: a transformers-style ``fn(input_ids int64 [n, L], scores float [n, V]) ->
   scores``, called once per (row, depth) with the prefixes of that depth's nodes (the slow path:
   O(rows x depth) calls per round).
+
+The path counts (:func:`~sglang_tev.penalties.path_counts`) are shared with the SGLang plugin,
+which applies SGLang's own penalty semantics on the same paths (``sglang_tev/penalties.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from ..penalties import path_counts
 from ..tree import DraftTree
 
 __all__ = ["Controls", "path_counts", "apply_controls"]
@@ -77,20 +81,6 @@ class Controls:
     @property
     def active(self) -> bool:
         return self.penalties or bool(self.logit_bias) or self.logits_processor is not None
-
-
-def path_counts(tree: DraftTree, vocab_size: int) -> torch.Tensor:
-    """float32 [b, N, V]: how often each token occurs on the path from the root (excluded) to each
-    node (included). Padded nodes count their own token only (their rows are never used)."""
-    b, n = tree.parents.shape
-    dev = tree.device
-    counts = torch.zeros(b, n, vocab_size, dtype=torch.float32, device=dev)
-    nonroot = tree.ancestor_mask.clone()
-    nonroot[:, :, 0] = False  # [b, v, u]: u is a non-root ancestor of v (or v)
-    tok = tree.tokens.clamp(0, vocab_size - 1)
-    # counts[v, tok[u]] += 1 for every such u: a scatter-add of the ancestor rows
-    counts.scatter_add_(2, tok.view(b, 1, n).expand(b, n, n), nonroot.to(torch.float32))
-    return counts
 
 
 def apply_controls(logits: torch.Tensor, tree: DraftTree, controls: list[Controls], gen_counts: torch.Tensor | None,

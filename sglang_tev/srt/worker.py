@@ -8,14 +8,14 @@ Reused from ``DFlashWorkerV2`` unchanged: construction (draft runner, mask token
 memory pools, attention backends, the draft runner's CUDA graphs, the prefill branch (target
 prefill with auxiliary hidden capture + draft-KV materialisation), the idle branch,
 ``DFlashDraftInputV2`` (KV over-allocation in ``prepare_for_decode``, filter/merge), the
-prefix-valid draft-KV writer and SGLang's verify logit adjustments (penalties, logit bias, custom
-logit processors). Replaced: the decode round, as
+prefix-valid draft-KV writer and SGLang's verify logit adjustments (logit bias; penalties are
+applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the decode round, as
 
     draft block [root, MASK x (K-1)] -> draft hidden -> per-depth top-k + logsumexp
     -> batched DDTree (round.build_trees) -> verify layout (tokens, positions, FULL custom mask,
     retrieve arrays) -> target TARGET_VERIFY forward (FlashInfer / Triton apply the mask)
-    -> SGLang logit adjustments -> processed target law from batch.sampling_info
-    -> verify_tree batched (tev / predraw / sequential; greedy at T = 0)
+    -> penalties per node -> SGLang logit adjustments -> processed target law from batch.sampling_info
+    -> verify_tree batched (tev / predraw / sequential; greedy at T = 0) -> accepted drafts counted
     -> accepted path's KV slots and hidden rows moved to the front of each window
     -> draft-KV append with the commit lengths -> GenerationBatchResult
 """
@@ -49,6 +49,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from ..verify import num_uniforms
 from .config import settings_from_server_args
 from .kv_headroom import check_row_headroom
+from .penalties import apply_tree_penalties, count_accepted
 from .round import (
     build_trees,
     commit_outputs,
@@ -279,6 +280,9 @@ class TEVWorker(DFlashWorkerV2):
             grammar_mask = build_grammar_vocab_mask(
                 reqs=batch.reqs, tree=grammar_tree, sampling_info=sampling_info, device=logits.device, barrier=grammar_barrier
             )
+        # penalties / min_new_tokens: node v's law after the committed output + path(v), from
+        # SGLang's penalizer state (the root is fed to it first); then logit bias, as its sampler
+        penalizer = apply_tree_penalties(logits, tree, sampling_info)
         apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N)
         if grammar_mask is not None:
             # node v's row allows what the grammar allows after the path to v: the target law the
@@ -293,6 +297,8 @@ class TEVWorker(DFlashWorkerV2):
             uniforms = seeded_uniforms(seeds, prefix, num_uniforms(self.tev.verifier, N))
         out = verify_batch(tree, logits, sampling, self.tev.verifier, generator=self._tev_generator, uniforms=uniforms)
         plan = commit_outputs(tree, out, prefix)
+        if penalizer is not None:  # the accepted drafts join the penalty state (the bonus: next root)
+            count_accepted(penalizer, plan.out_tokens, plan.commit_lens - 1)
         if batch.return_logprob:
             # the emitted token of path node d is out_tokens[b, d] (the next drafted token, then
             # the bonus); its logprob is read from that node's processed verify logits
