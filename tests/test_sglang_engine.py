@@ -11,7 +11,6 @@ SGLang's own plain decoding.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -409,15 +408,6 @@ def test_runtimes_agree_round_by_round(hosts, prompt_ids, hf_model):
         assert hf[j:-1] == sgl[k:-1] and hf[-1] <= sgl[-1], (i, hf, sgl, "from HF round", j, "SGLang round", k)
         aligned += len(hf) - 1 > j
     assert aligned >= 3, f"only {aligned} prompts ever started a round at the same position"
-
-
-def test_tev_refuses_path_dependent_options_and_keeps_serving(hosts, prompt_ids, plain_greedy, hf_model):
-    eng = _tev65(hosts)
-    for bad in ({"frequency_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_new_tokens": 4}):
-        with pytest.raises(EngineHost.Error, match="TEV: sampling parameter " + next(iter(bad))):
-            eng.generate([prompt_ids[0]], [dict(bad, temperature=0, max_new_tokens=8)])
-    out = eng.generate(prompt_ids[:2], greedy_params(MAX_NEW[:2]))
-    assert_same_ids(ids_of(out), plain_greedy[:2], prompt_ids, hf_model, "after refusals")
 
 
 def test_startup_log_is_clean(hosts):

@@ -19,7 +19,6 @@ block while others continue.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import sys
 from pathlib import Path

@@ -1,11 +1,12 @@
 """SGLang plugin entry point: ``sglang.srt.plugins`` → ``tev = "sglang_tev.srt.plugin:register"``.
 
 SGLang's ``load_plugins()`` calls :func:`register` once in every process it starts (launcher,
-scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV``, the
-``--attention-backend tev_cpu`` choice (``cpu_attention``; with SGLang's CPU engine or when asked
-for, :func:`wants_cpu_attention`) and two ``HookRegistry`` hooks (request
-admission, ``admission``; the ``req_to_token`` row headroom, ``kv_headroom``); the worker
-module (heavy: the DFlash V2 worker) is imported only when the scheduler asks for the worker class.
+scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV``; the
+``--attention-backend tev_cpu`` choice (``cpu_attention``), with SGLang's CPU engine or when asked
+for (:func:`wants_cpu_attention`); and ``HookRegistry`` hooks: request admission and the penalizer
+state the per-node penalties read (``admission``), and the ``req_to_token`` row headroom
+(``kv_headroom``). The worker module (heavy: the DFlash V2 worker) is imported only when the
+scheduler asks for the worker class.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def register() -> None:
     # req_to_token rows long enough for a decode step at the context edge (kv_headroom)
     install_row_headroom_hook()
 
-    # per-request refusals (HTTP 400) of options TEV cannot serve exactly yet
+    # per-request admission checks, and the penalizer state TEV's per-node penalties read
+    # (admission: the hook on SamplingBatchInfo.copy_for_forward)
     install_admission_hook()
 
     # --attention-backend tev_cpu: the pure-torch backend TEV uses with --device cpu; only where it
