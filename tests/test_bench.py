@@ -17,7 +17,7 @@ import pytest
 from sglang_tev.cli import main
 from sglang_tev.hf.bench import bench_configs, run_bench
 from sglang_tev.hf.datasets import Prompt, encode_prompt, load_humaneval, load_jsonl, load_prompts
-from sglang_tev.hf.drafters import OracleDrafter
+from sglang_tev.testing.drafters import OracleDrafter
 from sglang_tev.hf.runtime import SpeculativeGenerator
 from tiny_pair import build_pair
 

@@ -222,7 +222,7 @@ def test_host_builders_equal_the_heap_on_full_lists():
     import shutil
 
     from sglang_tev.draft import ddtree as dd
-    from sglang_tev.draft.host_native import native_builder
+    from sglang_tev.native import native_builder
 
     fn = native_builder()
     if fn is None and (shutil.which("cc") or shutil.which("gcc")):
@@ -244,7 +244,7 @@ def test_native_builder_off_or_unbuildable_falls_back(tmp_path):
     import subprocess
     import sys
 
-    code = ("import torch; from sglang_tev.draft.host_native import native_builder; "
+    code = ("import torch; from sglang_tev.native import native_builder; "
             "from sglang_tev import build_ddtree; assert native_builder() is None; "
             "t = build_ddtree(torch.randn(2, 5, 300), 9, torch.tensor([0, 1])); "
             "print(t.parents.tolist(), t.tokens.tolist())")
@@ -280,7 +280,7 @@ def test_host_builders_agree_on_nan_log_probs():
     """validate=False with NaN in the draft law (NaN reads as -inf on both host paths): the C and
     Python builders give the same tree and neither crashes."""
     from sglang_tev.draft import ddtree as dd
-    from sglang_tev.draft.host_native import native_builder
+    from sglang_tev.native import native_builder
 
     fn = native_builder()
     if fn is None:
@@ -322,16 +322,16 @@ def test_native_library_that_does_not_load_is_rebuilt(tmp_path):
     import subprocess
     import sys
 
-    from sglang_tev.draft import host_native
+    import sglang_tev.native as native_mod
 
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here")
-    digest = hashlib.sha256(open(host_native._SOURCE, "rb").read()).hexdigest()[:16]
+    digest = hashlib.sha256(open(native_mod._SOURCE, "rb").read()).hexdigest()[:16]
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / f"ddtree_host-{digest}.so").write_bytes(b"not a library")
-    (cache / "ddtree_host-0123456789abcdef.so").write_bytes(b"an old build")
-    code = "from sglang_tev.draft.host_native import native_builder; assert native_builder() is not None"
+    (cache / f"host_ops-{digest}.so").write_bytes(b"not a library")
+    (cache / "host_ops-0123456789abcdef.so").write_bytes(b"an old build")
+    code = "from sglang_tev.native import native_builder; assert native_builder() is not None"
     subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SGLANG_TEV_CACHE=str(cache)), check=True)
-    assert sorted(p.name for p in cache.iterdir()) == [f"ddtree_host-{digest}.so"]
-    assert (cache / f"ddtree_host-{digest}.so").stat().st_size > 1000
+    assert sorted(p.name for p in cache.iterdir()) == [f"host_ops-{digest}.so"]
+    assert (cache / f"host_ops-{digest}.so").stat().st_size > 1000

@@ -9,7 +9,8 @@ from exact_law import chi_square_pvalue
 from test_hf_runtime import V, dflash_for, plain_greedy, qwen3
 
 from sglang_tev import SamplingParams, processed_probs
-from sglang_tev.hf.drafters import DFlashDrafter, OracleDrafter
+from sglang_tev.hf.drafters import DFlashDrafter
+from sglang_tev.testing.drafters import OracleDrafter
 from sglang_tev.hf.runtime import Request, SpeculativeGenerator
 from sglang_tev.testing.models import RAGGED
 

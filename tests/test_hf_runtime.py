@@ -10,7 +10,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from sglang_tev import SamplingParams, processed_probs
 from sglang_tev.draft.dflash import DFlashDraftModel
-from sglang_tev.hf.drafters import DFlashDrafter, OracleDrafter
+from sglang_tev.hf.drafters import DFlashDrafter
+from sglang_tev.testing.drafters import OracleDrafter
 from sglang_tev.hf.runtime import SpeculativeGenerator, cache_kwargs
 from sglang_tev.testing.models import V, dflash_for, plain_greedy, qwen3, randomize
 

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from sglang_tev import SamplingParams, processed_probs
 from sglang_tev.hf import round as hf_round
 from sglang_tev.hf import runtime as rt
-from sglang_tev.hf.drafters import OracleDrafter
+from sglang_tev.testing.drafters import OracleDrafter
 from sglang_tev.hf.runtime import NonFiniteLogitsError, Request, SpeculativeGenerator, cache_kwargs
 from sglang_tev.hf.masks import attention_layout
 

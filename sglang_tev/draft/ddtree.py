@@ -17,7 +17,7 @@ reproduces the heap's tie-break) in H static rounds with no host sync.
 From full draft logits on CPU (:func:`build_ddtree`) the host heap needs no per-depth top-k over
 the vocabulary: only tokens whose "best chain to the depth above, then this token" score reaches
 a lower bound of the budget-th tree score can be nodes (:func:`_ranked_survivors`), and one C
-call (``_ddtree_host.c``, built on first use; :mod:`.host_native`) finds them and runs the heap.
+call (``sglang_tev/native/host_ops.c``, built on first use; :mod:`sglang_tev.native`) finds them and runs the heap.
 
 Options used by the runtime: a per-tree depth limit (tokens left, position limit) and leaf tokens
 (stop tokens get no children: nothing below a stop is ever emitted, so no budget is spent there).
@@ -33,7 +33,7 @@ import heapq
 import torch
 
 from ..tree import DraftTree
-from .host_native import HMAX, native_builder
+from ..native import HMAX, native_builder
 
 __all__ = ["build_ddtree", "build_ddtree_topk", "build_ddtree_reference", "draft_topk"]
 
@@ -240,7 +240,7 @@ SURVIVOR_GROUP = 64
 
 def _ranked_survivors(logq: torch.Tensor, budget: int, depth_limit, leaf_tokens):
     """Per tree and depth, the ranked candidates that can enter the tree: the heap's input,
-    without a per-depth top-k over the vocabulary (the Python twin of ``_ddtree_host.c``).
+    without a per-depth top-k over the vocabulary (the Python twin of ``native/host_ops.c``).
 
     ``logq``: float32 [b, H, V], the draft log-probabilities (``log_softmax`` of the logits).
     Let m_j be the best log q at depth j, P_d = m_1 + ... + m_d (the best depth-d score) and
@@ -316,7 +316,7 @@ def _ranked_survivors(logq: torch.Tensor, budget: int, depth_limit, leaf_tokens)
 
 
 def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
-    """:func:`_build_heap` on :func:`_ranked_survivors`' lists in one C call (``_ddtree_host.c``;
+    """:func:`_build_heap` on :func:`_ranked_survivors`' lists in one C call (``native/host_ops.c``;
     its bound is the exact budget-th best Y rather than group maxima, so its lists can be shorter;
     the tree is the same). CPU tensors only."""
     import ctypes

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.host_native import native
+from ..native import native
 from ..tree import DraftTree, additive_mask
 
 __all__ = ["AttentionLayout", "attention_layout", "prefill_masks", "tree_masks", "attention_mask_format",

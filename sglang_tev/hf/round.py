@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..draft.ddtree import build_ddtree
-from ..draft.host_native import native
+from ..native import native
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 from ..verify import num_uniforms, verify_tree

@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from ..draft.host_native import native
+from ..native import native
 
 __all__ = ["StaticKVCache", "cache_kwarg_name", "cache_kwargs"]
 

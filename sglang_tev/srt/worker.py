@@ -1,8 +1,10 @@
 """``TEVWorker``: SGLang's DFlash V2 worker with the decode round replaced by TEV (imports sglang).
 
-Runs only with a CUDA GPU; checked by ``scripts/sglang_smoke.py``. Nothing in this module has
-been executed in this project's CI (no GPU): the tensor logic it calls lives in ``round.py`` and
-is tested on CPU there; this file only wires it between SGLang's forwards.
+Runs on CUDA (FlashInfer / Triton apply the tree mask; ``scripts/sglang_smoke.py`` is the GPU
+check, not yet run: no GPU in this project) and on CPU with ``--attention-backend tev_cpu``, where
+CI runs it inside SGLang's real Engine and HTTP server (``tests/test_sglang_engine.py``,
+``test_sglang_server.py``, ``test_sglang_kv_edges.py``, ``test_sglang_penalties.py``). The tensor
+logic it calls lives in ``round.py`` (tested alone); this file wires it between SGLang's forwards.
 
 Reused from ``DFlashWorkerV2`` unchanged: construction (draft runner, mask token, embeddings),
 memory pools, attention backends, the draft runner's CUDA graphs, the prefill branch (target

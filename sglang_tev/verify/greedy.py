@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.host_native import native
+from ..native import native
 from ..tree import DraftTree
 from ._common import argmax_and_max, argmax_last, follow_tokens
 from .output import VerifyOutput, first_nonfinite
@@ -48,7 +48,7 @@ def greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
     b, n = tree.batch_size, tree.num_nodes
     cover_dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     fn = native("greedy_follow") if logits.dtype == torch.float32 else None
-    if fn is not None:  # the same walk in one C call (sglang_tev/draft/_ddtree_host.c)
+    if fn is not None:  # the same walk in one C call (sglang_tev/native/host_ops.c)
         x, par, tok, val = (t if t.is_contiguous() else t.contiguous()
                             for t in (logits, tree.parents, tree.tokens, tree.valid))
         out = torch.empty(b, 2 * n + 4, dtype=torch.int64)

@@ -1,4 +1,6 @@
-/* DDTree on the host, one call per batch: the same trees as sglang_tev.draft.ddtree._build_heap
+/* The native host helpers of sglang_tev (loaded by sglang_tev/native/__init__.py).
+ *
+ * DDTree on the host, one call per batch: the same trees as sglang_tev.draft.ddtree._build_heap
  * on the ranked lists of sglang_tev.draft.ddtree._ranked_survivors (see their docstrings), without
  * a per-depth top-k over the vocabulary and without Python objects per node.
  *
@@ -11,7 +13,7 @@
  * push its next sibling and its first child; ties by score are broken by the rank tuple,
  * lexicographically, a prefix before its extensions.
  *
- * Built on first use by sglang_tev/draft/host_native.py with the system C compiler (no
+ * Built on first use by sglang_tev/native/__init__.py with the system C compiler (no
  * -ffast-math: scores must round exactly as Python floats do). */
 
 #include <math.h>

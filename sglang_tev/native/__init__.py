@@ -1,9 +1,11 @@
-"""Host-side C helpers (``_ddtree_host.c``): the DDTree builder, the greedy walk and the runtime's
-one-row KV move, tree-mask update and feature gather, built on first use with the system compiler.
+"""The project's native host helpers (``host_ops.c``), for every CPU hot path that many small
+tensor ops would slow down: the DDTree builder (``draft/ddtree.py``), the greedy walk
+(``verify/greedy.py``) and the transformers runtime's one-row KV move, tree-mask update and
+feature gather (``hf/``); built on first use with the system compiler.
 
 On CPU every small tensor or NumPy op costs tens of microseconds right after a model forward
 (its weights have evicted the caches), so a builder made of many small ops loses to one native
-call. This module compiles ``_ddtree_host.c`` (plain C, no Python headers, about a second) into
+call. This module compiles ``host_ops.c`` (plain C, no Python headers, about a second) into
 a per-user cache directory and calls it through :mod:`ctypes`. Where that is not possible (no C
 compiler, a read-only cache, ``SGLANG_TEV_NATIVE=0`` / ``false`` / ``off``), the functions here
 return None and the callers stay in Python: both give identical outputs (``tests/test_ddtree.py``,
@@ -32,7 +34,7 @@ HMAX = 64
 """Deepest depth the C builder takes (``HMAX`` in the C source)."""
 
 _log = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ddtree_host.c")
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_ops.c")
 _lib = None
 _tried = False
 
@@ -64,7 +66,7 @@ def _build() -> ctypes.CDLL | None:
     with open(_SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
     out_dir = _cache_dir()
-    lib_path = os.path.join(out_dir, f"ddtree_host-{digest}.so")
+    lib_path = os.path.join(out_dir, f"host_ops-{digest}.so")
     if os.path.exists(lib_path):
         try:
             lib = ctypes.CDLL(lib_path)
@@ -91,7 +93,7 @@ def _build() -> ctypes.CDLL | None:
             if os.path.exists(tmp):
                 os.remove(tmp)
         for old in os.listdir(out_dir):  # builds of older sources
-            if old.startswith("ddtree_host-") and old.endswith(".so") and old != os.path.basename(lib_path):
+            if old.startswith(("host_ops-", "ddtree_host-")) and old.endswith(".so") and old != os.path.basename(lib_path):
                 try:
                     os.remove(os.path.join(out_dir, old))
                 except OSError:
@@ -120,7 +122,7 @@ def _build() -> ctypes.CDLL | None:
 
 
 def native(name: str):
-    """One C helper of ``_ddtree_host.c`` by name (``ddtree_build``, ``greedy_follow``, ``kv_move``,
+    """One C helper of ``host_ops.c`` by name (``ddtree_build``, ``greedy_follow``, ``kv_move``,
     ``mask_update``, ``gather_rows``), or None where the library cannot be built or is disabled
     (``SGLANG_TEV_NATIVE=0`` / ``false`` / ``no`` / ``off``, read at the first call). Built and
     loaded once per process; failures are logged at INFO level and never raised (the callers'
