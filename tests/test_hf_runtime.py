@@ -9,7 +9,6 @@ from exact_law import chi_square_pvalue
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from sglang_tev import SamplingParams, processed_probs
-from sglang_tev.draft.dflash import DFlashDraftModel
 from sglang_tev.hf.drafters import DFlashDrafter
 from sglang_tev.testing.drafters import OracleDrafter
 from sglang_tev.hf.runtime import SpeculativeGenerator, cache_kwargs
