@@ -35,7 +35,9 @@ def test_readme_test_command_is_one_command_that_ci_runs_and_names_what_enables_
     assert 'pip install -e ".[test,sglang]"' in script  # the sglang extra: plugin tests run, not skip
     assert 'pip install --no-deps "dflash==0.1.0"' in script
     assert "export SGLANG_TEV_REQUIRE_SGLANG=1" in script
-    assert script[-1] == 'python -m pytest "$@"'  # -q dropped by commands(); the whole suite without arguments
+    # -q dropped by commands(); the whole suite without arguments (FAST is empty unless --fast)
+    assert script[-1] == 'python -m pytest "${FAST[@]}" "$@"' and "FAST=()" in script
+    assert 'FAST=(-m "not slow")' in script  # --fast: the inner loop without the slow modules
     assert "-q" in (ROOT / "scripts" / "run_tests.sh").read_text().splitlines()[-1]
     assert 'pip install --no-deps "dflash==0.1.0"' in section("Run the tests")
     skip_reason = (ROOT / "tests" / "test_dflash.py").read_text()

@@ -71,7 +71,7 @@ def sequence_block_stats(target, drafters: Sequence, ids: torch.Tensor, anchors:
     from transformers import DynamicCache
 
     from ..draft.dflash import extract_context_features
-    from ..hf.runtime import cache_kwargs
+    from ..hf.static_cache import cache_kwargs
     from .losses import block_logits
 
     decoder, embed, head = target.get_decoder(), target.get_input_embeddings(), target.get_output_embeddings()

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..draft.dflash import extract_context_features
-from ..hf.runtime import cache_kwargs
+from ..hf.static_cache import cache_kwargs
 from ..tree import DraftTree, ExitLaw, exit_law
 from .data import TokenDataset, collate, valid_anchor_positions
 from .exit import anchor_trees, iter_tree_logits, kv_reuse_forward, target_law
