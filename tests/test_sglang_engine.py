@@ -376,21 +376,26 @@ def test_tev65_first_two_sampled_tokens_follow_the_min_p_law(hosts, prompt_ids, 
 
 def test_runtimes_agree_round_by_round(hosts, prompt_ids, hf_model):
     """SGLang's TEV and the transformers runtime, same prompts, budget 64, bf16, greedy: the same
-    tokens, and from the first position where both start a round, the same rounds.
+    tokens, and wherever both start a round at the same position, the same round.
 
     The two runtimes start differently: SGLang samples the first token in its prefill and roots
     its first tree at it; the transformers runtime roots its first tree at the last prompt token.
     So their round boundaries differ until both happen to start a round at the same position;
-    from there on they hold the same committed context and root, build the same tree and must
-    accept the same path, round after round."""
+    there they hold the same committed context and root, build the same tree and accept the same
+    path. Every such round is compared. The drafter's bf16 scores are computed by two codebases
+    (SGLang's DFlash model and this project's), so a near-tie among the last nodes a budget admits
+    can change a tree and its accept length without changing a token (seen on an AVX-512 CPU: one
+    round of prompt 0); after such a round the boundaries meet again later. So at least 85 % of
+    the rounds both start at one position must agree: a wrong position, mask or KV commit
+    disagrees on nearly every round."""
     from sglang_tev.hf.runtime import SpeculativeGenerator
 
     out = _tev65(hosts).generate(prompt_ids, greedy_params(MAX_NEW))
     gen = SpeculativeGenerator.from_pretrained(dtype=torch.bfloat16)
-    aligned = 0
     runs = [gen.generate(p, method="tev", budget=64, max_new_tokens=n) for p, n in zip(prompt_ids, MAX_NEW)]
     # the tokens: equal up to a bf16 near-tie (the two runtimes' model code rounds differently)
     assert_same_ids([list(r.token_ids) for r in runs], ids_of(out), prompt_ids, hf_model, "transformers runtime vs SGLang")
+    aligned, same, differ = 0, 0, []
     for i, (o, res) in enumerate(zip(out, runs)):
         if list(res.token_ids) != o["output_ids"]:
             continue  # a near-tie flip (checked above): the rounds after it follow other contexts
@@ -398,16 +403,19 @@ def test_runtimes_agree_round_by_round(hosts, prompt_ids, hf_model):
         sgl = o["meta_info"]["tev_accept_length"]  # tokens emitted per round, root at n + sum(before)
         hf = [r.emitted for r in res.rounds]  # first root: the last prompt token, at n - 1
         sgl_starts = {n + sum(sgl[:k]): k for k in range(len(sgl))}
-        hf_starts = [n - 1 + sum(hf[:k]) for k in range(len(hf))]
-        common = [(j, sgl_starts[q]) for j, q in enumerate(hf_starts) if q in sgl_starts]
-        if not common:
-            continue
-        j, k = common[0]
-        # the last round: SGLang reports the verifier's block, the scheduler then cuts it at
-        # max_new_tokens; the runtime reports what it emitted after the cut
-        assert hf[j:-1] == sgl[k:-1] and hf[-1] <= sgl[-1], (i, hf, sgl, "from HF round", j, "SGLang round", k)
-        aligned += len(hf) - 1 > j
+        hf_starts = {n - 1 + sum(hf[:j]): j for j in range(len(hf))}
+        # the last rounds are left out: SGLang reports the verifier's block, the scheduler then
+        # cuts it at max_new_tokens; the runtime reports what it emitted after the cut
+        pairs = [(hf_starts[q], sgl_starts[q]) for q in sorted(set(hf_starts) & set(sgl_starts))]
+        pairs = [(j, k) for j, k in pairs if j < len(hf) - 1 and k < len(sgl) - 1]
+        aligned += bool(pairs)
+        for j, k in pairs:
+            if hf[j] == sgl[k]:
+                same += 1
+            else:
+                differ.append((i, j, k, hf[j], sgl[k]))
     assert aligned >= 3, f"only {aligned} prompts ever started a round at the same position"
+    assert same >= 20 and same >= 0.85 * (same + len(differ)), f"{same} rounds agree; (prompt, HF round, SGLang round, HF, SGLang): {differ}"
 
 
 def test_startup_log_is_clean(hosts):
