@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
-from hosts import TARGET, EngineHost, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
+from hosts import TARGET, EnginePool, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
 
 require_sglang()
 
@@ -122,30 +122,9 @@ def assert_matches_hf(got, want, prompt_ids, model, what):
     assert_same_ids(got, want, prompt_ids, model, what)
 
 
-class _Hosts:
-    """Start each Engine once, lazily, and close it when the module ends."""
-
-    def __init__(self):
-        self.hosts = {}
-
-    def get(self, name, kwargs, env=None):
-        if name not in self.hosts:
-            self.hosts[name] = EngineHost(kwargs, env=env)
-        return self.hosts[name]
-
-    def close(self, name):
-        h = self.hosts.pop(name, None)
-        if h is not None:
-            h.close()
-
-    def close_all(self):
-        for name in list(self.hosts):
-            self.close(name)
-
-
 @pytest.fixture(scope="module")
 def hosts():
-    h = _Hosts()
+    h = EnginePool()
     yield h
     h.close_all()
 

@@ -27,11 +27,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
-from hosts import TARGET, EngineHost, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
+from hosts import EnginePool, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
 
 require_sglang()
 
-from test_sglang_engine import assert_same_ids, ids_of  # noqa: E402
+from test_sglang_engine import assert_same_ids, hf_model, ids_of, tokenizer  # noqa: E402,F401 (fixtures)
 
 CONTEXT = 256
 """The Engines' context length (``context_length``): a small one keeps the sweep fast."""
@@ -43,13 +43,6 @@ requests cannot all stay resident; prefill chunks of 64 tokens split every promp
 
 
 # ---------------------------------------------------------------------- requests
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TARGET)
-
-
 @pytest.fixture(scope="module")
 def corpus(tokenizer):
     """Token ids of some standard-library source: prompts are windows of it."""
@@ -113,37 +106,11 @@ def pressure_requests(corpus, tokenizer):
 
 
 # ---------------------------------------------------------------------- engines and references
-class _Hosts:
-    def __init__(self):
-        self.hosts = {}
-
-    def get(self, name, kwargs, env=None):
-        if name not in self.hosts:
-            self.hosts[name] = EngineHost(kwargs, env=env)
-        return self.hosts[name]
-
-    def close(self, name):
-        h = self.hosts.pop(name, None)
-        if h is not None:
-            h.close()
-
-    def close_all(self):
-        for name in list(self.hosts):
-            self.close(name)
-
-
 @pytest.fixture(scope="module")
 def hosts():
-    h = _Hosts()
+    h = EnginePool()
     yield h
     h.close_all()
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.bfloat16).eval()
 
 
 def _generate(eng, reqs):

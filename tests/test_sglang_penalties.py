@@ -26,10 +26,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
-from hosts import TARGET, EngineHost, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
+from hosts import EngineHost, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
 
 require_sglang()
-from test_sglang_engine import TIE, _chi_square_p, assert_same_ids  # noqa: E402
+from test_sglang_engine import TIE, _chi_square_p, assert_same_ids, hf_model, tokenizer  # noqa: E402,F401 (fixtures)
 
 ENV = {"TORCHDYNAMO_DISABLE": "1"}
 EOS = 0  # the tiny target's eos (SGLang's min-new-tokens penalizer holds it back too)
@@ -65,22 +65,9 @@ computed here."""
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TARGET)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
+    """This module's own PROMPTS (not the engine tests')."""
     return [tokenizer(p).input_ids for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.bfloat16).eval()
 
 
 def penalise(logits, outputs, params):

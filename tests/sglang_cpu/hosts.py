@@ -133,6 +133,28 @@ class EngineHost:
         _remove(self.log)
 
 
+class EnginePool:
+    """Engines by name for one test module: each started once, lazily (``get``), closed by
+    ``close`` or ``close_all`` (an idle Engine still costs CPU on 2 cores: close what is done)."""
+
+    def __init__(self):
+        self.hosts = {}
+
+    def get(self, name, kwargs, env=None):
+        if name not in self.hosts:
+            self.hosts[name] = EngineHost(kwargs, env=env)
+        return self.hosts[name]
+
+    def close(self, name):
+        h = self.hosts.pop(name, None)
+        if h is not None:
+            h.close()
+
+    def close_all(self):
+        for name in list(self.hosts):
+            self.close(name)
+
+
 def _remove(log) -> None:
     """Delete a host's log (failures quote its tail in their message; ``SGLANG_TEV_KEEP_LOGS=1``
     keeps it)."""
