@@ -607,8 +607,9 @@ def test_requests_ending_at_the_context_length_leave_the_server_serving(tev, pla
     """The requests that took the TEV server down before issue 25: greedy ``ignore_eos`` requests
     whose prompt + max tokens end at the context length (or 1-18 tokens before it), on
     ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``, and one aborted while it decodes
-    there. Each is accepted and answered with plain decoding's tokens (near-tie rule); the server
-    is then alive and serves an ordinary request."""
+    there. Each is accepted and answered with plain decoding's tokens (near-tie rule). An empty
+    prompt and an out-of-vocabulary input id, which SGLang's scheduler exited on, get a 400. The
+    server is then alive and serves an ordinary request."""
     import argparse
     import inspect
 
@@ -637,6 +638,19 @@ def test_requests_ending_at_the_context_length_leave_the_server_serving(tev, pla
         prompt = comp_ids if name == "completions" else tokenizer(CHATML.format(content)).input_ids
         assert_equal_or_tie([t_ids], [p_ids], [prompt], hf_model, f"/v1/{name} at the context edge")
         assert t["usage"]["completion_tokens"] == p["usage"]["completion_tokens"], name
+
+    # prompts SGLang accepts but its scheduler cannot run (it exited on each): a 400 naming why
+    bad = [
+        ({"text": "", "sampling_params": {"temperature": 0, "max_new_tokens": 4}}, "prompt is empty"),
+        ({"input_ids": [], "sampling_params": {"max_new_tokens": 4}}, ""),
+        ({"input_ids": [5, 4096, 7], "sampling_params": {"max_new_tokens": 4}}, "out-of-vocabulary token id 4096"),
+    ]
+    for body, why in bad:
+        status, res = tev.post("/generate", body)
+        assert status == 400 and why in error_message(res), (body, status, res)
+    status, res = tev.post("/v1/completions", completion([9, 99999], 4))
+    assert status == 400 and "out-of-vocabulary" in error_message(res), (status, res)
+    assert_alive(tev)
 
     # an abort while a request decodes in the last positions of the context
     rid = f"tev-edge-abort-{uuid.uuid4().hex}"

@@ -100,12 +100,17 @@ def test_admission_refuses_what_the_table_lists(monkeypatch):
     with pytest.raises(ValueError, match="TEV: sampling parameter frequency_penalty=0.5 .*a test reason"):
         A.check_sampling_params({"frequency_penalty": 0.5, "temperature": 0.7})
     A.check_sampling_params({"frequency_penalty": 0.0})
-    tev = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="TEV"))
+    tev = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="TEV"), model_config=SimpleNamespace(vocab_size=8))
     other = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="EAGLE"))
     req = SimpleNamespace(sampling_params={"frequency_penalty": 0.5})
     with pytest.raises(ValueError, match="frequency_penalty=0.5"):
         A._after_validate(None, tev, req, [1, 2])
     assert A._after_validate("ok", other, req, [1, 2]) == "ok"  # other algorithms are not touched
+    # the prompt check runs in the same hook, before the options
+    with pytest.raises(ValueError, match="prompt is empty"):
+        A._after_validate(None, tev, req, [])
+    with pytest.raises(ValueError, match="out-of-vocabulary token id 8"):
+        A._after_validate(None, tev, SimpleNamespace(sampling_params={}, input_embeds=None), input_ids=[8])
 
 
 def test_served_options_pass_admission():
@@ -139,3 +144,19 @@ def test_import_sglang_tev_does_not_import_sglang():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_prompts_the_scheduler_cannot_run_are_refused_at_admission():
+    """An empty prompt and an out-of-vocabulary id made SGLang's scheduler exit (found by a
+    fresh-user trial); TEV refuses them with one error each (HTTP 400 on a server)."""
+    from sglang_tev.srt.admission import check_input_ids
+
+    check_input_ids([0, 5, 4095], 4096)
+    check_input_ids(None, 4096)  # an input_embeds request
+    with pytest.raises(ValueError, match="prompt is empty"):
+        check_input_ids([], 4096)
+    with pytest.raises(ValueError, match=r"out-of-vocabulary token id 4096; valid range is \[0, 4096\)"):
+        check_input_ids([1, 4096], 4096)
+    with pytest.raises(ValueError, match="out-of-vocabulary token id -1"):
+        check_input_ids([-1], 4096)
+

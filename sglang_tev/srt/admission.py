@@ -5,7 +5,9 @@ TEV's guarantee is that each request's output is distributed exactly as plain de
 target with that request's sampling parameters. Every per-request option SGLang 0.5.23 accepts is
 served exactly today, so :data:`REFUSED_OPTIONS` is empty; the check stays for any option that
 cannot be (one ``ValueError`` naming the option: SGLang's HTTP layer answers it with a 400,
-``Engine.generate`` raises it, and the server keeps serving everything else).
+``Engine.generate`` raises it, and the server keeps serving everything else). Prompts SGLang
+accepts but cannot run (empty, or with an id outside the vocabulary: its scheduler exits on them)
+are refused the same way (:func:`check_input_ids`).
 
 Served exactly: temperature, top-k, top-p, min-p, ``sampling_seed``, ``logit_bias`` (the same at
 every node), stop strings / ids, ``ignore_eos``, ``max_new_tokens``, ``n``, ``return_logprob`` /
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-__all__ = ["REFUSED_OPTIONS", "check_sampling_params", "install_admission_hook"]
+__all__ = ["REFUSED_OPTIONS", "check_sampling_params", "check_input_ids", "install_admission_hook"]
 
 REFUSED_OPTIONS: dict = {}
 """Sampling options TEV cannot serve exactly, ``{name: (no-op value, reason)}``; a request setting
@@ -53,10 +55,37 @@ def check_sampling_params(sampling_params: Optional[Mapping], refused: Optional[
             )
 
 
+def check_input_ids(input_ids, vocab_size: int) -> None:
+    """Refuse a prompt that would take the scheduler down instead of getting an answer.
+
+    SGLang 0.5.23 accepts both and then raises inside the scheduler, which exits (every request in
+    flight lost): an empty prompt fails in the prefill's logits pruning
+    (``layers/logits_processor.py:723``, index into an empty batch) and an id outside the
+    vocabulary in the target's embedding (``IndexError``). Found by sending them to a TEV server.
+
+    Args:
+        input_ids: the request's token ids after tokenization (None: an embeddings request, not
+            checked here).
+        vocab_size: the target's vocabulary size.
+    Raises:
+        ValueError naming the problem (SGLang answers it with HTTP 400).
+    """
+    if input_ids is None:
+        return
+    if len(input_ids) == 0:
+        raise ValueError("TEV: the prompt is empty (no input token): send at least one token")
+    bad = next((t for t in input_ids if not 0 <= int(t) < int(vocab_size)), None)
+    if bad is not None:
+        raise ValueError(f"TEV: input_ids contains the out-of-vocabulary token id {bad}; valid range is [0, {vocab_size})")
+
+
 def _after_validate(result, manager, obj, *args, **kwargs):
     server_args = getattr(manager, "server_args", None)
     if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != "TEV":
         return result
+    input_ids = args[0] if args else kwargs.get("input_ids")
+    if getattr(obj, "input_embeds", None) is None:
+        check_input_ids(input_ids, manager.model_config.vocab_size)
     params = getattr(obj, "sampling_params", None)
     if isinstance(params, Mapping):
         check_sampling_params(params)
@@ -66,10 +95,10 @@ def _after_validate(result, manager, obj, *args, **kwargs):
 def install_admission_hook() -> None:
     """Install, through SGLang's ``HookRegistry`` (``load_plugins()`` applies them; idempotent):
 
-    * :func:`check_sampling_params` after SGLang's own per-request validation
-      (``TokenizerManager._validate_one_request``, ``managers/tokenizer_manager.py:1307``, which
-      runs for ``/generate``, the OpenAI endpoints and ``Engine.generate``), when
-      :data:`REFUSED_OPTIONS` is not empty. Servers running another algorithm are not affected.
+    * :func:`check_input_ids` and :func:`check_sampling_params` after SGLang's own per-request
+      validation (``TokenizerManager._validate_one_request``, ``managers/tokenizer_manager.py:1307``,
+      which runs for ``/generate``, the OpenAI endpoints and ``Engine.generate``). Servers running
+      another algorithm are not affected.
     * the penalizer hook that lets the TEV worker read and feed SGLang's penalty state
       (:func:`sglang_tev.srt.penalties.install_penalizer_hook`)."""
     global _installed
@@ -78,8 +107,7 @@ def install_admission_hook() -> None:
     from .penalties import install_penalizer_hook
 
     install_penalizer_hook()
-    if REFUSED_OPTIONS:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        HookRegistry.register(_TARGET, _after_validate, HookType.AFTER)
+    HookRegistry.register(_TARGET, _after_validate, HookType.AFTER)
     _installed = True
