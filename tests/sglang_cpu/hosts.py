@@ -93,7 +93,11 @@ class EngineHost:
             env=_env(env),
             cwd=str(HERE),
         )
-        self.started = self._read(start_timeout)
+        try:
+            self.started = self._read(start_timeout)
+        except BaseException:  # a failed or interrupted start leaves no Engine behind
+            _abandon(self.proc)
+            raise
 
     def _read(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -166,6 +170,18 @@ def _remove(log) -> None:
             pass
 
 
+def _abandon(proc) -> None:
+    """Kill a host process that never became ready, and everything it started (SGLang's scheduler
+    and detokenizer outlive their parent otherwise)."""
+    children = _children(proc.pid)
+    proc.kill()
+    _kill(children)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def _children(pid: int) -> list:
     import psutil
 
@@ -213,13 +229,20 @@ class ServerHost:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tev-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "sglang.launch_server", *_cli(kwargs), "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=_env(env), cwd=str(HERE))
+        try:
+            self._wait_healthy(start_timeout)
+        except BaseException:  # a failed or interrupted start leaves no server behind
+            _abandon(self.proc)
+            raise
+
+    def _wait_healthy(self, start_timeout: float) -> None:
         deadline = time.monotonic() + start_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}); log:\n{self.tail()}")
             try:
                 if self.get("/health_generate", timeout=30)[0] == 200:
-                    break
+                    return
             except OSError:
                 pass
             if time.monotonic() > deadline:
