@@ -330,7 +330,8 @@ def test_install_admission_hook_installs_the_penalizer_hook(monkeypatch):
     monkeypatch.setattr(A, "_installed", False)
     monkeypatch.setattr(Pn, "_installed", False)
     A.install_admission_hook()
-    assert registered == [(Pn._TARGET, Pn._keep_orchestrator, HookType.AFTER)]  # nothing is refused any more
+    # the penalizer hook, and the admission check (prompts the scheduler cannot run; no option is refused)
+    assert registered == [(Pn._TARGET, Pn._keep_orchestrator, HookType.AFTER), (A._TARGET, A._after_validate, HookType.AFTER)]
     import pkgutil
 
     owner, attr = Pn._TARGET.rsplit(".", 1)
