@@ -22,8 +22,8 @@ What a TEV step touches, for a request with committed length ``c <= context_len 
 So a row needs ``context_len + 2 * max(N, K) + page_size - 1`` entries (:func:`required_row_extra`);
 K <= 2N is already enforced at start-up. :func:`install_row_headroom_hook` makes SGLang size rows
 that way for TEV servers (a ``HookRegistry`` AFTER hook: SGLang's own extension point, no installed
-file is edited), and :func:`check_row_headroom` is the worker's start-up check that the hook took
-effect. The KV pool itself is guarded by SGLang's scheduler (``check_decode_mem`` retracts requests
+file is edited), and :func:`check_row_headroom` is the worker's check, on its first decode round
+(the pools do not exist yet when the worker is built), that the hook took effect. The KV pool itself is guarded by SGLang's scheduler (``check_decode_mem`` retracts requests
 when the next step's reservation does not fit), which TEV does not change.
 """
 
@@ -54,7 +54,8 @@ def required_row_extra(tree_size: int, block_size: int, page_size: int) -> int:
 
 
 def check_row_headroom(row_len: int, context_len: int, tree_size: int, block_size: int, page_size: int) -> None:
-    """Refuse to start when a ``req_to_token`` row is too short for a TEV step at the context edge.
+    """Refuse to serve when a ``req_to_token`` row is too short for a TEV step at the context edge
+    (the worker calls it once, on its first decode round).
 
     Args:
         row_len: ``req_to_token.shape[1]``.
