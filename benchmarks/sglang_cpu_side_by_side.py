@@ -174,13 +174,6 @@ def tokens_per_round(metas: list[dict]) -> dict:
     return out
 
 
-def first_divergence(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 class Gap:
     """HF bf16 target logit gap between two tokens at a divergence (loaded on first use)."""
 
@@ -202,6 +195,8 @@ class Gap:
 
 
 def compare(got, want, prompt_ids, gap: Gap) -> dict:
+    from hosts import first_divergence
+
     diffs = []
     for i, (g, w) in enumerate(zip(got, want)):
         k = first_divergence(g, w)

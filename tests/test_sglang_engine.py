@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
-from hosts import TARGET, EnginePool, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
+from hosts import TARGET, EnginePool, first_divergence, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
 
 require_sglang()
 
@@ -74,13 +74,6 @@ def greedy_params(max_new):
 
 def ids_of(results):
     return [r["output_ids"] for r in results]
-
-
-def first_divergence(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 TIE = 0.25

@@ -27,11 +27,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
-from hosts import EnginePool, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
+from hosts import plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
 
 require_sglang()
 
-from test_sglang_engine import assert_same_ids, hf_model, ids_of, tokenizer  # noqa: E402,F401 (fixtures)
+from test_sglang_engine import assert_same_ids, hf_model, hosts, ids_of, tokenizer  # noqa: E402,F401 (fixtures)
 
 CONTEXT = 256
 """The Engines' context length (``context_length``): a small one keeps the sweep fast."""
@@ -106,13 +106,6 @@ def pressure_requests(corpus, tokenizer):
 
 
 # ---------------------------------------------------------------------- engines and references
-@pytest.fixture(scope="module")
-def hosts():
-    h = EnginePool()
-    yield h
-    h.close_all()
-
-
 def _generate(eng, reqs):
     return eng.generate([list(p) for p, _ in reqs], [dict(sp) for _, sp in reqs])
 

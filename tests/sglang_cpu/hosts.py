@@ -137,6 +137,15 @@ class EngineHost:
         _remove(self.log)
 
 
+def first_divergence(a, b):
+    """The first index where token lists ``a`` and ``b`` differ (the shorter length when one is a
+    prefix of the other), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 class EnginePool:
     """Engines by name for one test module: each started once, lazily (``get``), closed by
     ``close`` or ``close_all`` (an idle Engine still costs CPU on 2 cores: close what is done)."""
