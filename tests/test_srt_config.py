@@ -44,9 +44,33 @@ def test_defaults_from_the_drafter_and_plain_writes():
     assert s.budget == 64
     assert (sa.speculative_num_draft_tokens, sa.speculative_dflash_block_size, sa.speculative_num_steps) == (65, 16, 15)
     assert sa.attention_backend == "flashinfer" and sa.speculative_draft_attention_backend == "flashinfer"
-    assert sa.disable_overlap_schedule is True and sa.max_running_requests == 48 and sa.speculative_eagle_topk == 1
+    # overlap scheduling stays on (65 + 15 + 1 <= 2 x 65: the KV reserve covers a lagging step)
+    assert sa.disable_overlap_schedule is False and sa.max_running_requests == 48 and sa.speculative_eagle_topk == 1
     # a worker process rebuilds the same settings from the resolved fields
     assert settings_from_server_args(sa, environ={}) == s
+
+
+@pytest.mark.parametrize(
+    "n,k,d,overlap",
+    [(65, 16, 15, True), (17, 16, 15, True), (9, 16, 15, False), (9, 16, 7, False), (13, 16, 9, True), (9, 8, 7, True),
+     (2, 4, 3, False), (3, 4, 1, True)],
+)
+def test_overlap_stays_on_only_where_the_kv_reserve_covers_a_lagging_step(n, k, d, overlap, caplog):
+    """Overlap scheduling reserves 2N slots from a committed length one step behind the worker's,
+    so it stays on only when max(N, K) + min(D, N - 1) + 1 <= 2N; otherwise it is turned off with a
+    warning naming the flags (the server keeps serving, without overlap)."""
+    sa = args(speculative_num_draft_tokens=n, speculative_dflash_block_size=k, speculative_num_steps=d)
+    with caplog.at_level("WARNING", logger="sglang_tev.srt.config"):
+        resolve_server_args(sa, environ={})
+    assert sa.disable_overlap_schedule is (not overlap)
+    warned = [r.getMessage() for r in caplog.records if "overlap scheduling disabled" in r.getMessage()]
+    assert bool(warned) is (not overlap)
+    if warned:
+        assert f"N={n}, K={k}, D={d}" in warned[0] and "--speculative-num-steps" in warned[0]
+    # an operator who turned overlap off keeps it off
+    off = args(speculative_num_draft_tokens=n, speculative_dflash_block_size=k, speculative_num_steps=d, disable_overlap_schedule=True)
+    resolve_server_args(off, environ={})
+    assert off.disable_overlap_schedule is True
 
 
 def test_env_settings():

@@ -21,7 +21,7 @@ from hosts import require_sglang  # noqa: E402
 
 require_sglang()
 
-from sglang_tev.srt.kv_headroom import check_row_headroom, required_row_extra  # noqa: E402
+from sglang_tev.srt.kv_headroom import check_row_headroom, overlap_reserve_need, required_row_extra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "sglang_tev" / "assets" / "tiny-code"
@@ -56,6 +56,38 @@ def test_every_slot_a_step_touches_lies_inside_the_row(n, k, page):
             allocated = max(allocated, _reserved_end(seen, allocated, 2 * n, page))
             assert allocated <= row, (c, lag)
             assert c + max(n, k) <= row, (c, lag)
+
+
+OVERLAP_GRID = [(n, k, d, p) for n in (2, 3, 9, 13, 17, 65) for k in (4, 8, 16) for d in (1, 3, k - 1) for p in (1, 16)]
+
+
+@pytest.mark.parametrize("n,k,d,page", OVERLAP_GRID, ids=[f"N{n}-K{k}-D{d}-page{p}" for n, k, d, p in OVERLAP_GRID])
+def test_overlap_reserve_covers_a_lagging_step_exactly_when_the_rule_says(n, k, d, page):
+    """Overlap scheduling: the reservation of step t + 1 is made from the committed length before
+    step t's commit (SGLang's ``page_aligned_decode_alloc_lens``, the function itself); step t
+    commits up to min(D, N - 1) + 1 tokens; step t + 1 writes max(N, K) slots from the true
+    committed length. Worst-case commits every step: the writes stay inside the allocation when
+    ``overlap_reserve_need <= 2N``, and at page size 1 only then."""
+    commit = min(d, n - 1) + 1
+    c_seen, c_true, allocated, overflow = 0, 0, 0, False
+    for _ in range(8):
+        allocated = max(allocated, _reserved_end(c_seen, allocated, 2 * n, page))
+        # this step writes its draft block and verify window from the worker's committed length
+        overflow |= c_true + max(n, k) > allocated
+        c_seen, c_true = c_true, c_true + commit  # the scheduler learns of a step one step late
+    fits = overlap_reserve_need(n, k, d) <= 2 * n
+    if fits:
+        assert not overflow
+    if page == 1:  # page rounding can only add room; at page size 1 the rule is exact
+        assert overflow is (not fits), (overlap_reserve_need(n, k, d), 2 * n)
+
+
+def test_overlap_reserve_need_arguments():
+    assert overlap_reserve_need(65, 16, 15) == 81 and overlap_reserve_need(9, 16, 15) == 25
+    assert overlap_reserve_need(3, 8, 7) == 11  # the accepted path is at most N - 1 deep
+    for bad in ({"tree_size": 0}, {"block_size": 0}, {"max_depth": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            overlap_reserve_need(**{**dict(tree_size=9, block_size=16, max_depth=3), **bad})
 
 
 def test_sglang_row_sizing_alone_overruns_at_page_size_one():

@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from .kv_headroom import overlap_reserve_need
+
 __all__ = [
     "TevSettings",
     "VERIFIERS",
@@ -268,8 +270,11 @@ def resolve_server_args(
     ``speculative_dflash_block_size`` (the drafter's), ``speculative_num_steps`` (K - 1),
     ``speculative_eagle_topk`` = 1, ``attention_backend`` = flashinfer (``tev_cpu`` on
     ``--device cpu``) when the automatic choice does not apply tree masks, ``speculative_draft_attention_backend``,
-    ``disable_overlap_schedule`` = True and the decode phase of ``cuda_graph_config`` =
-    disabled (neither is supported yet), ``max_running_requests`` = 48 when unset (as DFLASH).
+    ``disable_overlap_schedule`` = True only when overlap scheduling's KV reserve is too small
+    for the tree (``max(N, K) + min(D, N - 1) + 1 > 2N``, see
+    :func:`~sglang_tev.srt.kv_headroom.overlap_reserve_need`; logged), the decode phase of
+    ``cuda_graph_config`` = disabled, ``max_running_requests`` = 48 when unset (as DFLASH).
+    Overlap scheduling otherwise stays as the operator set it (on by default, as in SGLang).
 
     Args:
         sa: ``ServerArgs``-like object (SGLang's stand-in in production).
@@ -339,8 +344,15 @@ def resolve_server_args(
         # the drafter runs TARGET_VERIFY on its own runner; use the target's prefill backend
         sa.speculative_draft_attention_backend = _backends(sa)[0]
 
-    if not sa.disable_overlap_schedule:
-        logger.warning("TEV: overlap scheduling is not supported yet; disabling it")
+    need = overlap_reserve_need(n, k, d)
+    if not sa.disable_overlap_schedule and need > 2 * n:
+        # the reservation is made from a committed length one step behind the worker's
+        logger.warning(
+            "TEV: overlap scheduling disabled for N=%d, K=%d, D=%d: a step may write %d KV slots past the "
+            "scheduler's lagging committed length but SGLang reserves 2N = %d; raise "
+            "--speculative-num-draft-tokens or lower --speculative-num-steps to keep overlap on",
+            n, k, d, need, 2 * n,
+        )
         sa.disable_overlap_schedule = True
     cg = getattr(sa, "cuda_graph_config", None)
     if cg is not None and dataclasses.is_dataclass(cg) and getattr(cg.decode, "backend", "disabled") != "disabled":

@@ -29,7 +29,7 @@ when the next step's reservation does not fit), which TEV does not change.
 
 from __future__ import annotations
 
-__all__ = ["required_row_extra", "check_row_headroom", "install_row_headroom_hook"]
+__all__ = ["required_row_extra", "overlap_reserve_need", "check_row_headroom", "install_row_headroom_hook"]
 
 _TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
 _installed = False
@@ -51,6 +51,30 @@ def required_row_extra(tree_size: int, block_size: int, page_size: int) -> int:
         if int(v) < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     return 2 * max(int(tree_size), int(block_size)) + int(page_size) - 1
+
+
+def overlap_reserve_need(tree_size: int, block_size: int, max_depth: int) -> int:
+    """KV slots past the scheduler's committed length that a TEV step may write under overlap
+    scheduling; SGLang reserves ``2 * tree_size`` of them (``dflash_info_v2.py:142-154``).
+
+    With overlap on, ``prepare_for_decode`` of step t + 1 runs before the result of step t is
+    processed (``scheduler.py:2084-2120``, ``event_loop_overlap``), so it reserves from a committed
+    length that lags the worker's by step t's commit: at most ``min(D, N - 1) + 1`` tokens (the
+    accepted path plus the bonus). Step t + 1 then writes ``max(N, K)`` slots (the draft block and
+    the verify window) from the worker's committed length.
+
+    Args:
+        tree_size: N; block_size: K; max_depth: D (deepest drafted node).
+    Returns:
+        ``max(N, K) + min(D, N - 1) + 1``; overlap is safe when it is ``<= 2 * N``.
+    Raises:
+        ValueError naming the argument when one is < 1.
+    """
+    for name, v in (("tree_size", tree_size), ("block_size", block_size), ("max_depth", max_depth)):
+        if int(v) < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    n, k, d = int(tree_size), int(block_size), int(max_depth)
+    return max(n, k) + min(d, n - 1) + 1
 
 
 def check_row_headroom(row_len: int, context_len: int, tree_size: int, block_size: int, page_size: int) -> None:
