@@ -176,8 +176,10 @@ def test_issue_cli_line_resolves_tree_block_depth():
     assert cfg.speculative_dflash_block_size == 16  # from the drafter's config.json
     assert cfg.speculative_num_steps == 15  # max depth K - 1
     assert cfg.speculative_eagle_topk == 1
-    assert cfg.disable_overlap_schedule is True
-    assert cfg.cuda_graph_config.decode.backend == "disabled"
+    assert cfg.disable_overlap_schedule is False  # overlap scheduling on, as SGLang's default
+    # decode CUDA graphs stay on (SGLang's default, full): the target verify graph carries the tree
+    # mask (graphs.py); fa3, the automatic choice on a Hopper GPU, ignores it and becomes triton
+    assert cfg.cuda_graph_config.decode.backend == "full"
     assert cfg.attention_backend in ("flashinfer", "triton")
     assert cfg.speculative_draft_attention_backend in ("flashinfer", "triton")
     assert cfg.max_running_requests == 48
@@ -237,7 +239,8 @@ BAD = [
     (["--attention-backend", "fa3"], "--attention-backend 'fa3' on --device cuda: TEV needs a backend that applies the tree mask"),
     (["--decode-attention-backend", "fa3", "--attention-backend", "triton"], "--decode-attention-backend 'fa3'"),
     (["--prefill-attention-backend", "fa3", "--attention-backend", "triton"], "--prefill-attention-backend 'fa3'"),
-    (["--cuda-graph-backend-decode", "full"], "decode CUDA graphs do not carry the tree mask"),
+    (["--device", "cpu", "--cuda-graph-backend-decode", "full"],
+     "--cuda-graph-backend-decode 'full' on --device cpu: accepted there: disabled .SGLang has no CPU graph runner"),
     (["--pp-size", "2"], "--pp-size must be 1"),
     (["--speculative-eagle-topk", "4"], "eagle-topk must be 1"),
     (["--speculative-draft-window-size", "64"], "draft-window-size"),
@@ -250,6 +253,16 @@ BAD = [
     (["--return-hidden-states-mode", "last"], "--return-hidden-states-mode is not supported"),
     (["--enable-lora"], "--enable-lora is not supported"),
 ]
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+@pytest.mark.parametrize("graph", ["full", "breakable", "disabled"])
+def test_explicit_decode_graph_backend_is_kept_on_cuda(backend, graph):
+    """``--cuda-graph-backend-decode`` with a tree-mask backend resolves as given (it was refused
+    before the target verify graph carried the mask)."""
+    _, cfg = resolve(["--attention-backend", backend, "--cuda-graph-backend-decode", graph])
+    assert cfg.cuda_graph_config.decode.backend == graph
+    assert cfg.attention_backend == backend and cfg.speculative_draft_attention_backend == backend
 
 
 @pytest.mark.parametrize("extra,match", BAD, ids=[" ".join(e) for e, _ in BAD])

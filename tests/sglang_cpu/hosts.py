@@ -2,8 +2,9 @@
 
 Both run in child processes with the CPU harness (``tev_cpu_harness.harness_env``); nothing here
 imports sglang. Settings shared by every test Engine/server: the shipped tiny pair, bf16 (the
-drafter's embeddings arrive in bf16; see the notes), no CUDA graphs, no overlap scheduling,
-a small KV pool, and ``sleep_on_idle`` (keep as few hosts alive at once as possible all the same:
+drafter's embeddings arrive in bf16; see the notes), no CUDA graphs (SGLang has no CPU graph
+runner for speculative algorithms), overlap scheduling ON (SGLang's default; TEV turns it off
+itself where its KV reserve is too small, e.g. N = 9 with the 16-token block), a small KV pool, and ``sleep_on_idle`` (keep as few hosts alive at once as possible all the same:
 on 2 cores every live scheduler costs).
 """
 
@@ -34,7 +35,7 @@ BASE = dict(
     device="cpu",
     dtype="bfloat16",
     disable_cuda_graph=True,
-    disable_overlap_schedule=True,
+    disable_overlap_schedule=False,
     mem_fraction_static=0.3,  # of free RAM; the pool itself is capped by max_total_tokens
     max_total_tokens=8192,
     max_running_requests=16,
