@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -43,7 +44,8 @@ def test_defaults_from_the_drafter_and_plain_writes():
     assert s == TevSettings(tree_size=DEFAULT_TREE_SIZE, block_size=16, max_depth=15, topk=64, verifier="tev")
     assert s.budget == 64
     assert (sa.speculative_num_draft_tokens, sa.speculative_dflash_block_size, sa.speculative_num_steps) == (65, 16, 15)
-    assert sa.attention_backend == "flashinfer" and sa.speculative_draft_attention_backend == "flashinfer"
+    # fa3 ignores the tree mask: the default replacement is Triton (sync-free masked graph replay)
+    assert sa.attention_backend == "triton" and sa.speculative_draft_attention_backend == "triton"
     # overlap scheduling stays on (65 + 15 + 1 <= 2 x 65: the KV reserve covers a lagging step)
     assert sa.disable_overlap_schedule is False and sa.max_running_requests == 48 and sa.speculative_eagle_topk == 1
     # a worker process rebuilds the same settings from the resolved fields
@@ -73,6 +75,48 @@ def test_overlap_stays_on_only_where_the_kv_reserve_covers_a_lagging_step(n, k, 
     assert off.disable_overlap_schedule is True
 
 
+@dataclass
+class _Phase:  # the fields of SGLang's PhaseConfig that TEV reads or writes
+    backend: str = "full"
+    bs: tuple = (1, 2, 4, 8)
+
+
+@dataclass
+class _GraphConfig:  # stands in for SGLang's CudaGraphConfig (a dataclass of two phases)
+    decode: _Phase = field(default_factory=_Phase)
+    prefill: _Phase = field(default_factory=lambda: _Phase(backend="breakable"))
+
+
+@pytest.mark.parametrize("explicit", [None, "full", "breakable", "disabled"])
+def test_cuda_keeps_decode_graphs_the_target_verify_captures_with_the_tree_mask(explicit, caplog):
+    """On CUDA TEV keeps SGLang's decode-graph choice (full by default) and accepts an explicit
+    ``--cuda-graph-backend-decode``: the target's verify graph is captured with the tree mask
+    (``graphs``), and both attention backends TEV accepts apply it under capture."""
+    for backend in ("triton", "flashinfer"):
+        cfg = _GraphConfig(decode=_Phase(backend=explicit or "full"))
+        sa = args(attention_backend=backend, cuda_graph_config=cfg, cuda_graph_backend_decode=explicit)
+        with caplog.at_level("INFO", logger="sglang_tev.srt.config"):
+            resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={})
+        assert sa.cuda_graph_config is cfg and cfg.decode.backend == (explicit or "full")
+        assert sa.attention_backend == backend and sa.speculative_draft_attention_backend == backend
+    assert not [r for r in caplog.records if "graph" in r.getMessage()]
+
+
+def test_cpu_turns_decode_graphs_off_and_says_why(caplog):
+    """``--device cpu``: SGLang's CPU graph runner has no speculative path, so the decode phase is
+    set to disabled (prefill untouched), with a log line giving the reason."""
+    cfg = _GraphConfig()
+    sa = args(device="cpu", attention_backend=None, cuda_graph_config=cfg, _raw_input={"attention_backend": None})
+    with caplog.at_level("INFO", logger="sglang_tev.srt.config"):
+        resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={"SGLANG_USE_CPU_ENGINE": "1"})
+    assert sa.cuda_graph_config.decode.backend == "disabled" and sa.cuda_graph_config.prefill.backend == "breakable"
+    assert cfg.decode.backend == "full"  # replaced, not mutated (SGLang's resolution declares values)
+    assert any("no CPU graph runner for speculative decoding" in r.getMessage() for r in caplog.records)
+    # an explicit "disabled" is accepted on CPU
+    validate_server_args(args(device="cpu", attention_backend=None, cuda_graph_backend_decode="disabled"),
+                         environ={"SGLANG_USE_CPU_ENGINE": "1"})  # fmt: skip
+
+
 def test_env_settings():
     assert read_env({}) == ("tev", None)
     assert read_env({"SGLANG_TEV_VERIFIER": "Sequential", "SGLANG_TEV_TOPK": "8"}) == ("sequential", 8)
@@ -90,7 +134,7 @@ def test_env_settings():
         (dict(speculative_num_draft_tokens=3.5), {}, "must be an integer"),
         (dict(speculative_dflash_block_size=40, speculative_num_draft_tokens=9), {}, "exceeds 2 x the tree size"),
         (dict(_raw_input={"attention_backend": "fa3"}), {}, "--attention-backend 'fa3'"),
-        (dict(device="npu"), {}, r"--device 'npu' is not supported; accepted: --device cuda with --attention-backend flashinfer or triton; --device cpu with --attention-backend tev_cpu"),
+        (dict(device="npu"), {}, r"--device 'npu' is not supported; accepted: --device cuda with --attention-backend triton or flashinfer; --device cpu with --attention-backend tev_cpu"),
         (dict(device="cpu", _raw_input={"attention_backend": "flashinfer"}), {}, "'flashinfer' on --device cpu"),
         (dict(_raw_input={"attention_backend": "tev_cpu"}), {}, "'tev_cpu' on --device cuda"),
         (dict(_raw_input={"speculative_draft_attention_backend": "fa3"}), {}, "--speculative-draft-attention-backend 'fa3'"),
@@ -100,7 +144,11 @@ def test_env_settings():
         (dict(speculative_eagle_topk=2), {}, "eagle-topk"),
         (dict(speculative_use_block_verification=True), {}, "block-verification"),
         (dict(speculative_accept_threshold_single=0.9), {}, "threshold-single"),
-        (dict(cuda_graph_backend_decode="full"), {}, "decode CUDA graphs"),
+        (dict(cuda_graph_backend_decode="piecewise"), {}, r"--cuda-graph-backend-decode 'piecewise' on --device cuda: accepted there: full, breakable, disabled"),
+        (dict(device="cpu", attention_backend=None, cuda_graph_backend_decode="full"), {"SGLANG_USE_CPU_ENGINE": "1"},
+         "'full' on --device cpu: accepted there: disabled .SGLang has no CPU graph runner for speculative decoding"),
+        (dict(device="cpu", attention_backend=None, enable_torch_compile=True), {"SGLANG_USE_CPU_ENGINE": "1"},
+         "--enable-torch-compile on --device cpu"),
         (dict(), {"SGLANG_TEV_VERIFIER": "greedy"}, "SGLANG_TEV_VERIFIER"),
         (dict(), {"SGLANG_TEV_TOPK": "-1"}, "SGLANG_TEV_TOPK"),
     ],
