@@ -424,8 +424,15 @@ def _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> Dra
     for _ in range(min(H, B)):
         cur = torch.gather(par, 1, cur)
         anc.scatter_(2, cur.unsqueeze(-1), True)
-    max_depth = int(depth_all.masked_fill(~valid_all, 0).max()) if dev.type == "cpu" else min(H, B)
+    max_depth = int(depth_all.masked_fill(~valid_all, 0).max()) if _exact_max_depth(dev) else min(H, B)
     return DraftTree(parents, tokens, valid_all, depth_all, anc, max_depth)
+
+
+def _exact_max_depth(device: torch.device) -> bool:
+    """Whether :func:`_build_levels` reads the trees' exact ``max_depth`` back (one host read: on
+    CPU, where it costs nothing and later loops over depths get shorter) or uses the static bound
+    min(H, budget) (elsewhere: no host sync). Tests of the device path patch this to False."""
+    return device.type == "cpu"
 
 
 def _best_stable(score: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
