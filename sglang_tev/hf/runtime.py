@@ -124,6 +124,9 @@ class SpeculativeGenerator:
         cuda_graphs: capture the tree forward per (rows, nodes) in a CUDA graph and replay it
             (implies static_shapes; CUDA only; a failed capture is logged and runs eagerly;
             ``graph_stats`` holds captures, capture seconds and fallbacks). Not measured here.
+        graph_backend: with ``cuda_graphs``, the capture / replay backend (None: CUDA graphs,
+            :class:`~sglang_tev.hf.cuda_graphs.CudaGraphBackend`). Tests pass
+            ``sglang_tev.testing.graph_replay.EmulatedCudaGraphs`` to run the graphed path on CPU.
         committed, past_len: after a call with ONE prompt, its committed tokens (int64 [1, L]) and
             ``L - 1`` (the KV of positions [0, past_len) is in ``cache`` row 0); None after a batch.
             With several threads they describe whichever call finished last: use the result.
@@ -136,11 +139,12 @@ class SpeculativeGenerator:
     Raises:
         ValueError: a DFlash drafter that does not fit the target (hidden size, vocabulary,
         target_layer_ids, mask token); a target with attention layers the runtime cannot serve
-        (layer types other than full and sliding attention).
+        (layer types other than full and sliding attention); ``cuda_graphs`` on a non-CUDA target
+        without a ``graph_backend``, or a ``graph_backend`` without ``cuda_graphs``.
     """
 
     def __init__(self, target, drafter=None, tokenizer=None, *, static_shapes: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, graph_backend=None) -> None:
         from .dflash_runner import StaticDFlashDrafter
         from .drafters import DFlashDrafter, SequenceDrafterAdapter
 
@@ -159,11 +163,14 @@ class SpeculativeGenerator:
             drafter = SequenceDrafterAdapter(drafter)
         self.drafter = drafter
         self.time_stages = False
-        if cuda_graphs and self.device.type != "cuda":
+        if cuda_graphs and self.device.type != "cuda" and graph_backend is None:
             raise ValueError(f"cuda_graphs: needs the target on a CUDA device, it is on {self.device}")
+        if graph_backend is not None and not cuda_graphs:
+            raise ValueError("graph_backend: only used with cuda_graphs=True")
         self.static_shapes = bool(static_shapes)
         self.cuda_graphs = bool(cuda_graphs)
-        self._buffers = DecodeBuffers(self.cuda_graphs)  # the KV cache and CUDA graphs, kept across calls
+        # the KV cache and CUDA graphs, kept across calls
+        self._buffers = DecodeBuffers(self.cuda_graphs, graph_backend)
         self.committed: torch.Tensor | None = None
         self.past_len: int | None = None
         self._call_lock = threading.Lock()

@@ -35,15 +35,18 @@ class DecodeBuffers:
     and the static slot tensors per (rows, nodes).
 
     Args:
-        cuda_graphs: capture the tree forwards (CUDA only).
+        cuda_graphs: capture the tree forwards (CUDA only, unless ``graph_backend`` stands in).
+        graph_backend: the capture / replay backend of
+            :class:`~sglang_tev.hf.cuda_graphs.GraphedTreeForward` (None: CUDA graphs).
 
     Attributes:
         cache: the last call's :class:`StaticKVCache` (None before the first call).
         graphs: :class:`~sglang_tev.hf.cuda_graphs.GraphedTreeForward` or None.
     """
 
-    def __init__(self, cuda_graphs: bool) -> None:
+    def __init__(self, cuda_graphs: bool, graph_backend=None) -> None:
         self.cuda_graphs = cuda_graphs
+        self.graph_backend = graph_backend
         self.cache: StaticKVCache | None = None
         self.graphs = None
         self.static_slots: dict = {}
@@ -70,7 +73,7 @@ class DecodeBuffers:
         from .cuda_graphs import GraphedTreeForward
 
         if self.graphs is None:
-            self.graphs = GraphedTreeForward(forward)
+            self.graphs = GraphedTreeForward(forward, backend=self.graph_backend)
         else:
             self.graphs.forward = forward
         return self.graphs
