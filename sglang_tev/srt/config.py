@@ -31,6 +31,7 @@ __all__ = [
     "SUPPORTED_ATTENTION_BACKENDS",
     "CPU_ATTENTION_BACKEND",
     "SUPPORTED_DEVICE_BACKENDS",
+    "DECODE_GRAPH_BACKENDS",
     "MAX_TREE_SIZE",
     "DEFAULT_TREE_SIZE",
     "read_env",
@@ -44,10 +45,24 @@ logger = logging.getLogger(__name__)
 VERIFIERS = ("tev", "predraw", "sequential")
 """Exact verifiers selectable with ``SGLANG_TEV_VERIFIER`` (``greedy`` is implied at T = 0)."""
 
-SUPPORTED_ATTENTION_BACKENDS = ("flashinfer", "triton")
-"""CUDA backends that apply ``spec_info.custom_mask`` on TARGET_VERIFY in eager mode (notes §3.3).
-FA3 ignores the mask unless ``speculative_eagle_topk > 1`` and then reads it in its own cascade
-layout; it is refused rather than silently verifying a tree with a causal mask."""
+SUPPORTED_ATTENTION_BACKENDS = ("triton", "flashinfer")
+"""CUDA backends that apply ``spec_info.custom_mask`` on TARGET_VERIFY, eager and in the target's
+captured verify graph (captured with the mask by ``graphs``; notes §1.3). Triton is the default:
+its replay copies the mask into the static ``verify_mask`` buffer without a host sync
+(``triton_backend.py:592-653``). FlashInfer is accepted: a wrapper captured with a mask is
+re-planned with the live mask at every replay (``plan()`` packs it into ``custom_mask_buf``,
+``flashinfer_backend.py:2395-2413``; a mask-less plan on it raises, ``:2332-2345``), at the cost of
+about three blocking device-to-host reads per replay (``:874-879``; the sync-free
+``fast_prefill_plan`` is for mask-less DFLASH verifies only, ``:860-885``). FA3 ignores the mask
+unless ``speculative_eagle_topk > 1`` (``flashattention_backend.py:223``) and then reads it in its
+own cascade layout; it is refused rather than silently verifying a tree with a causal mask."""
+
+DECODE_GRAPH_BACKENDS = {"cuda": ("full", "breakable", "disabled"), "cpu": ("disabled",)}
+"""``--device`` -> the ``--cuda-graph-backend-decode`` values TEV accepts there. On CUDA both
+capture backends run SGLang's ``DecodeCudaGraphRunner``, whose target verify capture carries the
+tree mask for TEV (``graphs``); the default (SGLang's: full) is kept. On CPU SGLang has no graph
+runner for speculative decoding (``CPUGraphRunner`` asserts a non-speculative algorithm,
+``cpu_graph_runner.py:663-664``), so TEV's decode graphs stay off there."""
 
 CPU_ATTENTION_BACKEND = "tev_cpu"
 """The one backend TEV accepts with ``--device cpu``: this project's pure-torch reference backend
@@ -179,8 +194,10 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
         ``cuda`` / ``cpu``; ``--device cpu`` without ``SGLANG_USE_CPU_ENGINE=1``; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
         a tree size N outside [2, 1024]; an explicitly chosen attention backend (target prefill /
         decode or draft) that the device does not pair with in :data:`SUPPORTED_DEVICE_BACKENDS`
-        (the message lists the accepted combinations); explicit decode CUDA graphs
-        (``--cuda-graph-backend-decode`` other than disabled); ``--speculative-eagle-topk`` other than 1;
+        (the message lists the accepted combinations); a ``--cuda-graph-backend-decode`` outside
+        :data:`DECODE_GRAPH_BACKENDS` for the device (on CPU: anything but disabled) and
+        ``--enable-torch-compile`` on CPU (both would ask SGLang's CPU graph runner, which has no
+        speculative path); ``--speculative-eagle-topk`` other than 1;
         ``--speculative-draft-window-size`` (compact draft cache); rejection sampling or block
         verification (TEV is its own exact verifier); accept thresholds other than 1; custom logit
         processors, hidden-state return and LoRA (``--enable-custom-logit-processor``,
@@ -216,18 +233,25 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
         if explicit is not None and explicit not in accepted:
             raise ValueError(
                 f"TEV: {flag} {explicit!r} on --device {device_kind}: TEV needs a backend that applies the tree mask "
-                f"on target verify; accepted: {_combinations()}"
+                f"on target verify (eager and in a captured CUDA graph); accepted: {_combinations()}"
             )
+    graph = _raw(sa, "cuda_graph_backend_decode")
+    if graph is not None and str(graph) not in DECODE_GRAPH_BACKENDS[device_kind]:
+        raise ValueError(
+            f"TEV: --cuda-graph-backend-decode {graph!r} on --device {device_kind}: accepted there: "
+            f"{', '.join(DECODE_GRAPH_BACKENDS[device_kind])}"
+            + (" (SGLang has no CPU graph runner for speculative decoding, cpu_graph_runner.py:663)" if device_kind == "cpu" else "")
+        )
+    if device_kind == "cpu" and bool(_raw(sa, "enable_torch_compile")):
+        raise ValueError(
+            "TEV: --enable-torch-compile on --device cpu would capture SGLang's CPU graph runner, which has no "
+            "speculative path (cpu_graph_runner.py:663); leave it off"
+        )
     env = os.environ if environ is None else environ
     if device_kind == "cpu" and env.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
         raise ValueError(
             "TEV: --device cpu runs on SGLang's CPU engine: set SGLANG_USE_CPU_ENGINE=1, with sgl-kernel's CPU build "
             "installed (it needs a CPU with AVX-512/AMX; see docs/sglang.md, 'SGLang on a CPU')"
-        )
-    graph = _raw(sa, "cuda_graph_backend_decode")
-    if graph is not None and str(graph) != "disabled":
-        raise ValueError(
-            f"TEV: --cuda-graph-backend-decode {graph!r}: decode CUDA graphs do not carry the tree mask yet; leave it unset or 'disabled'"
         )
     for flag, name, off in (
         ("--enable-custom-logit-processor", "enable_custom_logit_processor", (None, False)),
@@ -268,12 +292,15 @@ def resolve_server_args(
 
     Writes (each only where needed): ``speculative_num_draft_tokens`` (default 65),
     ``speculative_dflash_block_size`` (the drafter's), ``speculative_num_steps`` (K - 1),
-    ``speculative_eagle_topk`` = 1, ``attention_backend`` = flashinfer (``tev_cpu`` on
+    ``speculative_eagle_topk`` = 1, ``attention_backend`` = triton (``tev_cpu`` on
     ``--device cpu``) when the automatic choice does not apply tree masks, ``speculative_draft_attention_backend``,
     ``disable_overlap_schedule`` = True only when overlap scheduling's KV reserve is too small
     for the tree (``max(N, K) + min(D, N - 1) + 1 > 2N``, see
     :func:`~sglang_tev.srt.kv_headroom.overlap_reserve_need`; logged), the decode phase of
-    ``cuda_graph_config`` = disabled, ``max_running_requests`` = 48 when unset (as DFLASH).
+    ``cuda_graph_config`` = disabled on ``--device cpu`` only (logged; see
+    :data:`DECODE_GRAPH_BACKENDS`: on CUDA SGLang's choice, full by default, is kept and TEV's
+    target verify and draft forwards replay CUDA graphs, ``graphs``),
+    ``max_running_requests`` = 48 when unset (as DFLASH).
     Overlap scheduling otherwise stays as the operator set it (on by default, as in SGLang).
 
     Args:
@@ -355,9 +382,13 @@ def resolve_server_args(
         )
         sa.disable_overlap_schedule = True
     cg = getattr(sa, "cuda_graph_config", None)
-    if cg is not None and dataclasses.is_dataclass(cg) and getattr(cg.decode, "backend", "disabled") != "disabled":
-        # DFLASH-family graph capture omits the custom mask (notes §3.6): a replay would ignore the tree
-        logger.warning("TEV: decode CUDA graphs do not carry the tree mask yet; disabling them")
+    if (
+        _device_kind(sa) == "cpu"
+        and cg is not None
+        and dataclasses.is_dataclass(cg)
+        and getattr(cg.decode, "backend", "disabled") != "disabled"
+    ):
+        logger.info("TEV: decode graphs off on --device cpu (SGLang has no CPU graph runner for speculative decoding)")
         sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
     if sa.max_running_requests is None:
         sa.max_running_requests = 48

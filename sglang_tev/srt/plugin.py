@@ -4,9 +4,10 @@ SGLang's ``load_plugins()`` calls :func:`register` once in every process it star
 scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV``; the
 ``--attention-backend tev_cpu`` choice (``cpu_attention``), with SGLang's CPU engine or when asked
 for (:func:`wants_cpu_attention`); and ``HookRegistry`` hooks: request admission and the penalizer
-state the per-node penalties read (``admission``), and the ``req_to_token`` row headroom
-(``kv_headroom``). The worker module (heavy: the DFlash V2 worker) is imported only when the
-scheduler asks for the worker class.
+state the per-node penalties read (``admission``), the ``req_to_token`` row headroom
+(``kv_headroom``), and the tree mask in the target's captured verify graph (``graphs``). The
+worker module (heavy: the DFlash V2 worker) is imported only when the scheduler asks for the
+worker class.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ def register() -> None:
     from .algo import TevAlgo
     from .config import CPU_ATTENTION_BACKEND, validate_server_args
     from .cpu_attention import register_cpu_attention
+    from .graphs import install_graph_hooks
     from .kv_headroom import install_row_headroom_hook
 
     # req_to_token rows long enough for a decode step at the context edge (kv_headroom)
     install_row_headroom_hook()
+
+    # decode CUDA graphs: the target's verify graph is captured with the tree mask (SGLang's
+    # DFLASH-family capture leaves it out), the warm-up dummy states TEV's widths (graphs)
+    install_graph_hooks()
 
     # per-request admission checks, and the penalizer state TEV's per-node penalties read
     # (admission: the hook on SamplingBatchInfo.copy_for_forward)

@@ -50,6 +50,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from ..verify import num_uniforms
 from .config import settings_from_server_args
+from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .kv_headroom import check_row_headroom
 from .penalties import apply_tree_penalties, count_accepted
 from .round import (
@@ -79,6 +80,72 @@ class _DropBlockSizeNotice(logging.Filter):
 
 META_INFO_KEYS = ("tev_accept_length", "tev_exit_depth", "tev_coverage")
 """Per-round values appended to each request's ``meta_info`` (SGLang's ``customized_info``)."""
+
+
+def _host_seq_lens(batch) -> tuple[torch.Tensor, int]:
+    """(committed lengths int [bs] in host memory, their sum) as the scheduler already keeps them
+    (``prepare_for_decode``; with overlap, ``FutureMap.resolve_seq_lens_cpu``). A future map built
+    without host lengths (``needs_cpu_seq_lens=False``) leaves them unset; the tree mask's size
+    needs them, so that case pays one device-to-host copy here."""
+    seq_lens_cpu = batch.seq_lens_cpu
+    if seq_lens_cpu is None:
+        seq_lens_cpu = batch.seq_lens.cpu()
+        return seq_lens_cpu, int(seq_lens_cpu.sum())
+    seq_lens_sum = batch.seq_lens_sum
+    return seq_lens_cpu, int(seq_lens_sum) if seq_lens_sum is not None else int(seq_lens_cpu.sum())
+
+
+class RoundColumn:
+    """One per-round value per request (a ``customized_info`` column) in host memory.
+
+    SGLang's result processor reads ``column[i]`` for request i
+    (``batch_result_processor.py:192-211``) only after ``copy_done.synchronize()``
+    (``:957-958``); the scheduler records ``copy_done`` on a stream ordered after the forward
+    (``scheduler.py:4731-4745, 4854-4863, 5019-5042``), so the non-blocking copy that filled
+    ``host`` has completed by then: reading it costs no device sync of its own.
+
+    Args:
+        host: float32 [3, bs] in host memory (pinned on CUDA).
+        row: which row; cast: ``int`` or ``float`` for the values handed out.
+    """
+
+    __slots__ = ("host", "row", "cast", "_values")
+
+    def __init__(self, host: torch.Tensor, row: int, cast) -> None:
+        self.host, self.row, self.cast, self._values = host, row, cast, None
+
+    def _read(self) -> list:
+        if self._values is None:
+            self._values = [self.cast(v) for v in self.host[self.row].tolist()]
+        return self._values
+
+    def __getitem__(self, i):
+        return self._read()[i]
+
+    def __len__(self) -> int:
+        return int(self.host.shape[1])
+
+    def __iter__(self):
+        return iter(self._read())
+
+
+def round_info_to_host(commit_lens: torch.Tensor, exit_depth: torch.Tensor, coverage: torch.Tensor) -> dict:
+    """The round's ``customized_info`` (:data:`META_INFO_KEYS`) with ONE non-blocking copy.
+
+    Args:
+        commit_lens: int [bs] tokens emitted this round; exit_depth: int [bs] depth of the exit
+            node; coverage: float [bs] the tree's coverage of the target law.
+    Returns:
+        ``{key: RoundColumn}``: on CUDA a pinned buffer filled by ``copy_(non_blocking=True)``
+        (fenced by the scheduler's ``copy_done``), on CPU the stacked tensor itself.
+    """
+    info = torch.stack([commit_lens.float(), exit_depth.float(), coverage.float()])
+    if info.is_cuda:
+        host = torch.empty(info.shape, dtype=info.dtype, pin_memory=True)
+        host.copy_(info, non_blocking=True)
+    else:
+        host = info
+    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, (int, int, float)))}
 
 
 class TEVWorker(DFlashWorkerV2):
@@ -116,6 +183,12 @@ class TEVWorker(DFlashWorkerV2):
         if get_parallel().tp_rank == 0:
             logger.info("TEV worker: %s", self.tev)
 
+    def _maybe_build_draft_sampler(self):
+        """TEV's head in DFLASH's draft-graph slot (``dflash_worker_v2.py:884-998``, called by
+        ``init_cuda_graphs`` before the draft runner captures): per-depth top-k + log-sum-exp into
+        static buffers (``graphs.TevDraftHead``); None keeps it eager."""
+        return build_tev_draft_head(self)
+
     def _validate_phase1_sampling_support(self, batch) -> None:
         """No-op. DFlash's check (``dflash_worker_v2.py:2287-2317``) warns that sampled requests
         fall back to greedy argmax verification on builds without its sampling-verify kernel;
@@ -129,8 +202,12 @@ class TEVWorker(DFlashWorkerV2):
         return self._tev_decode(batch, on_publish, grammar_barrier)
 
     # ------------------------------------------------------------------ the round
-    def _draft_topk(self, batch, draft_input, seq_lens_cpu):
-        """Draft block forward -> (topk_logprobs [bs, K-1, k], topk_ids [bs, K-1, k])."""
+    def _draft_topk(self, batch, draft_input, seq_lens_cpu, seq_lens_sum):
+        """Draft block forward -> (topk_logprobs float32 [bs, K-1, k], topk_ids int64 [bs, K-1, k]).
+
+        When the draft runner replayed its CUDA graph (``out.can_run_graph``), the top-k were
+        computed inside it by the folded head (``graphs.TevDraftHead``, static buffers); otherwise
+        the same function runs eagerly on the forward's hidden states."""
         bs = len(batch.seq_lens)
         K = self.block_size
         dev = self.device
@@ -173,7 +250,7 @@ class TEVWorker(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices,
             seq_lens=prefix,
             out_cache_loc=cache_loc,
-            seq_lens_sum=int(seq_lens_cpu.sum()),
+            seq_lens_sum=seq_lens_sum + bs * K,
             seq_lens_cpu=seq_lens_cpu,
             positions=positions,
             input_embeds=emb.view(-1, emb.shape[-1]),
@@ -184,15 +261,16 @@ class TEVWorker(DFlashWorkerV2):
                 torch.full((), bs * K, dtype=torch.int32, device=dev) if enable_num_token_non_padded() else None
             ),
             global_num_token_non_padded_cpu=bs * K,
-            can_run_decode_cuda_graph=False,
+            can_run_decode_cuda_graph=getattr(batch, "can_run_decode_cuda_graph", False),  # read only under MLP sync
         )
         plan.bind(fb, self.draft_model_runner.kv_index_translator)
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
-            out = self.draft_model_runner.forward(fb).logits_output
-            hidden = out.hidden_states.view(bs, K, -1)[:, 1:, :].reshape(-1, out.hidden_states.shape[-1])
-            ids, vals, lse = candidate_topk(hidden, lm_head, self.tev.topk, with_partition=True)
-        logq = (vals.float() - lse.float().unsqueeze(-1)).view(bs, K - 1, -1)
-        return logq, ids.view(bs, K - 1, -1).to(torch.int64)
+            draft_out = self.draft_model_runner.forward(fb)
+            head = getattr(self, "_draft_sampler", None)
+            if isinstance(head, TevDraftHead) and getattr(draft_out, "can_run_graph", False):
+                return head.read(bs)  # computed inside the replayed draft graph
+            hidden = draft_out.logits_output.hidden_states
+            return draft_topk_from_hidden(hidden, K, lm_head, self.tev.topk, topk_fn=candidate_topk)
 
     def _tev_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
@@ -202,7 +280,10 @@ class TEVWorker(DFlashWorkerV2):
         N = self.tev.tree_size
         dev = self.device
         prefix = batch.seq_lens
-        seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else prefix.cpu()
+        if prefix.is_cuda:
+            # carried over from the previous overlap step, possibly made on another stream (as DFlash)
+            prefix.record_stream(torch.cuda.current_stream(prefix.device))
+        seq_lens_cpu, seq_lens_sum = _host_seq_lens(batch)
         if not self._row_headroom_checked:
             # every slot a step reserves near the context length must lie inside the request's row
             check_row_headroom(
@@ -215,14 +296,14 @@ class TEVWorker(DFlashWorkerV2):
             self._row_headroom_checked = True
 
         # 1) draft -> tree
-        logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu)
+        logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum)
         # no node may sit at a position past the model's context (a request near its end gets a
         # shallower tree, root-only at the last position)
         caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
         tree = build_trees(
             logq, ids, self.tev.budget, draft_input.bonus_tokens.view(-1).to(torch.int64), self.tev.max_depth, depth_cap=caps
         )
-        layout = tree_verify_layout(tree, prefix, int(seq_lens_cpu.sum()))
+        layout = tree_verify_layout(tree, prefix, seq_lens_sum)
         # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
         # with its grammar state and fills one vocabulary mask per node (spec_utils.traverse_tree)
         grammar_tree = (
@@ -248,25 +329,33 @@ class TEVWorker(DFlashWorkerV2):
             write_virtual=out_cache_loc,
             read_extent=N,
         )
+        # a graph replay pads the batch to its bucket with seq_len = the backend's fill value;
+        # give those rows an all-True mask segment, so the static mask buffer is defined everywhere
+        graph_runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
+        padded_bs = graph_padded_batch_size(bs, graph_runner)
+        custom_mask = layout.custom_mask
+        if padded_bs is not None:
+            custom_mask = pad_tree_mask(custom_mask, bs, padded_bs, N, int(graph_runner.seq_len_fill_value))
         verify_input = DFlashVerifyInput(
             draft_token=layout.draft_token,
             positions=layout.positions,
             draft_token_num=N,
-            custom_mask=layout.custom_mask,
+            custom_mask=custom_mask,
             capture_hidden_mode=CaptureHiddenMode.FULL,
             kv_loc_plan=kv_plan,
         )
         batch.out_cache_loc = out_cache_loc
         # backend planning reads a host bound of committed prefix + window, as in DFlash's verify;
-        # the mask's per-request offsets come from the device seq_lens (the committed prefix)
+        # the mask's per-request offsets come from the device seq_lens (the committed prefix).
+        # prepare_for_verify asks the target graph runner's can_run_graph and, when it can, runs its
+        # load_batch (static slots, bucket padding, the backend's replay metadata with this mask)
         saved = (batch.seq_lens_cpu, batch.seq_lens_sum)
         batch.seq_lens_cpu = seq_lens_cpu + N
-        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        batch.seq_lens_sum = seq_lens_sum + bs * N
         try:
             fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
         finally:
             batch.seq_lens_cpu, batch.seq_lens_sum = saved
-        fb.can_run_decode_cuda_graph = False
         target_out = self.target_worker.forward_batch_generation(
             batch=None, forward_batch=fb, is_verify=True, skip_attn_backend_init=True
         )
@@ -304,11 +393,12 @@ class TEVWorker(DFlashWorkerV2):
         if batch.return_logprob:
             # the emitted token of path node d is out_tokens[b, d] (the next drafted token, then
             # the bonus); its logprob is read from that node's processed verify logits
+            # (a scatter with a spare slot for off-path entries: boolean indexing would sync)
             width = plan.accept_index.shape[1]
-            predict = torch.zeros(bs * N, dtype=torch.int64, device=dev)
-            on_path = plan.accept_index >= 0
-            predict[plan.accept_index[on_path]] = plan.out_tokens[:, :width][on_path]
-            compute_spec_logprobs(batch, logits_output, predict, accept_index=plan.accept_index)
+            predict = torch.zeros(bs * N + 1, dtype=torch.int64, device=dev)
+            slot = torch.where(plan.accept_index >= 0, plan.accept_index, bs * N)
+            predict.scatter_(0, slot.reshape(-1), plan.out_tokens[:, :width].reshape(-1))
+            compute_spec_logprobs(batch, logits_output, predict[: bs * N], accept_index=plan.accept_index)
 
         # 4) commit: accepted path to the front of each window (KV and hidden rows)
         target_ids = kv_plan.write_ids(self.model_runner.kv_index_translator)  # physical slots of the window
@@ -328,17 +418,13 @@ class TEVWorker(DFlashWorkerV2):
             commit_lens=plan.commit_lens,
         )
         logits_output.hidden_states = None
-        logits_output.customized_info = {
-            "tev_accept_length": plan.commit_lens.tolist(),
-            "tev_exit_depth": out.accept_len.tolist(),
-            "tev_coverage": out.coverage.float().tolist(),
-        }
+        logits_output.customized_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage)
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=plan.out_tokens.reshape(-1),
             accept_lens=plan.commit_lens,
-            can_run_cuda_graph=False,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
             next_draft_input=next_draft_input,
             speculative_num_draft_tokens=N,
             new_seq_lens=plan.new_seq_lens,
