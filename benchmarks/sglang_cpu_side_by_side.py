@@ -60,9 +60,16 @@ MODES = {
 ENGINE_TEST_PROMPTS = "tests/test_sglang_engine.py"
 
 
+SYNC = "-sync"
+"""Mode suffix: the same Engine with overlap scheduling off (``disable_overlap_schedule``); the
+modes without it run with SGLang's default, overlap on."""
+
+
 def engine_kwargs(mode: str) -> dict:
     from hosts import dflash_kwargs, plain_kwargs, tev_kwargs
 
+    if mode.endswith(SYNC):
+        return dict(engine_kwargs(mode[: -len(SYNC)]), disable_overlap_schedule=True)
     if mode == "plain":
         return plain_kwargs()
     if mode == "dflash":
@@ -297,14 +304,18 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-ignore-eos", action="store_true", help="stop at EOS (default: EOS ignored, equal lengths)")
-    ap.add_argument("--modes", default="plain,dflash,tev17,tev65")
+    ap.add_argument("--modes", default="plain,dflash,tev17,tev65",
+                    help=f"comma-separated; a {SYNC} suffix (e.g. tev65{SYNC}) runs that mode with overlap scheduling off")
     ap.add_argument("--output", default=os.path.join("benchmarks", "results", "sglang-cpu-side-by-side.json"))
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in MODES and not (m.startswith("tev") and m[3:].isdigit()):
-            ap.error(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)} (or tevN)")
-        MODES.setdefault(m, f"TEV N={m[3:]}")
+        base = m[: -len(SYNC)] if m.endswith(SYNC) else m
+        if base not in MODES and not (base.startswith("tev") and base[3:].isdigit()):
+            ap.error(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)} (or tevN), each optionally with {SYNC}")
+        MODES.setdefault(base, f"TEV N={base[3:]}")
+        if m != base:
+            MODES[m] = MODES[base] + ", overlap off"
     if "plain" not in modes:
         ap.error("--modes must include plain (the reference)")
     modes = ["plain"] + [m for m in modes if m != "plain"]

@@ -21,6 +21,7 @@ ENGINE_MODULES = {
     "test_sglang_penalties",
     "test_sglang_dflash_cpu",
     "test_sglang_cpu_harness",
+    "test_sglang_overlap",
 }
 SLOW_MODULES = ENGINE_MODULES | {
     # each over ~25 s on the 2-core VM (full suite, 2026-12-02): subprocess SGLang imports, the

@@ -214,7 +214,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
             assert seen["draft_token"][rows].tolist() == want
             assert bool((rows // N == b).all())
         info = res.logits_output.customized_info
-        assert info["tev_accept_length"] == res.accept_lens.tolist()
+        assert list(info["tev_accept_length"]) == res.accept_lens.tolist()
         assert [a + 1 for a in info["tev_exit_depth"]] == res.accept_lens.tolist()
         accepts += info["tev_exit_depth"]
         assert batch.seq_lens_cpu is seen["seq_cpu"] or torch.equal(batch.seq_lens_cpu, seen["seq_cpu"])  # restored

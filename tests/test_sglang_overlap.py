@@ -1,0 +1,131 @@
+"""Overlap scheduling on SGLang 0.5.23's real CPU Engine: TEV with overlap on equals TEV with it
+off, token for token and round for round (issue 27, item 1).
+
+With overlap on, SGLang's scheduler prepares step t + 1 (``prepare_for_decode``: the KV
+reservation from a committed length that does not yet include step t's accepted tokens) before it
+processes step t's result, relays the bonus token and ``new_seq_lens`` through its ``FutureMap``
+(``overlap_utils.py``: ``publish`` / ``resolve_forward_inputs`` / ``resolve_seq_lens_cpu``) and
+copies results to the host behind a ``copy_done`` event. On this CPU there are no streams, so this
+tests the one-step-lag bookkeeping (positions, lengths, KV reservation, the relayed root, the
+per-round ``customized_info`` columns), not races: those need a GPU (``scripts/sglang_smoke.py``).
+
+Every other Engine and server test of the suite also runs with overlap on (``hosts.BASE``); this
+module holds the direct on = off comparisons, with ``enable_deterministic_inference`` so that a
+seeded request's sample is a function of its seed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
+from hosts import TARGET, EngineHost, first_divergence, require_sglang, tev_kwargs  # noqa: E402
+
+require_sglang()
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "def read_lines(path):\n    with open(path) as f:",
+    "for i in range(10):\n",
+    "x",
+]
+MAX_NEW = [40, 32, 24, 40, 17, 9]
+
+
+def _kwargs(overlap: bool) -> dict:
+    return tev_kwargs(
+        17, attention_backend="tev_cpu", enable_deterministic_inference=True, disable_overlap_schedule=not overlap
+    )
+
+
+def _requests(prompt_ids):
+    """A greedy batch, a seeded sampled batch (temperature, top-p, top-k) and a mixed one."""
+    greedy = [{"temperature": 0, "max_new_tokens": n} for n in MAX_NEW]
+    sampled = [
+        {"temperature": 1.0, "top_p": 0.9 if i % 2 else 1.0, "top_k": 40 if i % 3 == 0 else -1, "max_new_tokens": n,
+         "sampling_seed": 100 + i}
+        for i, n in enumerate(MAX_NEW)
+    ]  # fmt: skip
+    mixed = [g if i % 2 else s for i, (g, s) in enumerate(zip(greedy, sampled))]
+    return {"greedy": greedy, "sampled": sampled, "mixed": mixed}
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    return [tok(p).input_ids for p in PROMPTS]
+
+
+def _run(overlap: bool, prompt_ids) -> dict:
+    """Every batch of :func:`_requests` on one Engine (closed afterwards), plus the Engine's
+    resolved overlap setting and its log."""
+    host = EngineHost(_kwargs(overlap))
+    try:
+        info = host.call("server_info")
+        out = {name: host.generate(prompt_ids, sps) for name, sps in _requests(prompt_ids).items()}
+        # the same seeded batch again: deterministic on the same Engine
+        out["sampled_again"] = host.generate(prompt_ids, _requests(prompt_ids)["sampled"])
+        out["overlap_off"] = info.get("disable_overlap_schedule")
+        out["log"] = host.tail(400)
+    finally:
+        host.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(prompt_ids):
+    return {True: _run(True, prompt_ids), False: _run(False, prompt_ids)}
+
+
+def test_the_engines_ran_with_and_without_overlap(runs):
+    assert runs[True]["overlap_off"] is False and runs[False]["overlap_off"] is True
+    for r in runs.values():
+        assert "Scheduler hit an exception" not in r["log"], r["log"][-3000:]
+
+
+@pytest.mark.parametrize("batch", ["greedy", "sampled", "mixed"])
+def test_overlap_on_gives_the_tokens_and_rounds_of_overlap_off(runs, batch):
+    """Same batch, same seeds: the same output ids and the same per-round accept lengths and exit
+    depths, and coverages within 0.05 (a wrong lagged length or relayed root changes the trees or
+    the KV the target reads, and with it the rounds). The two schedulers need not form the same
+    batches after a request finishes (overlap runs one more step before it learns of a finish),
+    and SGLang's bf16 CPU forward is not batch-invariant: its log-probabilities move by up to
+    ~0.04 between batch shapes, so a coverage (a sum of target probabilities) moves by up to a few
+    hundredths (seen: 0.012 on a sampled row of the mixed batch)."""
+    on, off = runs[True][batch], runs[False][batch]
+    for i, (a, b) in enumerate(zip(on, off)):
+        k = first_divergence(a["output_ids"], b["output_ids"])
+        assert k is None, f"{batch} prompt {i}: first divergence at token {k}"
+        for key in ("tev_accept_length", "tev_exit_depth"):
+            assert a["meta_info"][key] == b["meta_info"][key], (batch, i, key)
+        ca, cb = a["meta_info"]["tev_coverage"], b["meta_info"]["tev_coverage"]
+        assert len(ca) == len(cb) and max(abs(x - y) for x, y in zip(ca, cb)) <= 0.05, (batch, i)
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    rounds = [sum(o["meta_info"]["tev_accept_length"]) for o in on]
+    # every round is reported (these requests are short enough for SGLang to keep them all), and
+    # the rounds accepted drafts
+    assert all(r >= len(o["output_ids"]) - 1 for r, o in zip(rounds, on))
+    assert max(max(o["meta_info"]["tev_accept_length"]) for o in on) >= 3
+
+
+def test_seeded_requests_repeat_exactly_with_overlap_on(runs):
+    on = runs[True]
+    assert [o["output_ids"] for o in on["sampled"]] == [o["output_ids"] for o in on["sampled_again"]]
+    # the seeds matter: greedy and sampled outputs differ
+    assert [o["output_ids"] for o in on["sampled"]] != [o["output_ids"] for o in on["greedy"]]
+
+
+def test_per_round_values_are_plain_numbers(runs):
+    """The per-round columns reach ``meta_info`` as Python ints / floats (the worker hands SGLang
+    host-memory columns filled by one non-blocking copy, not lists made by three host syncs)."""
+    meta = runs[True]["greedy"][0]["meta_info"]
+    assert all(type(v) is int for v in meta["tev_accept_length"] + meta["tev_exit_depth"])
+    assert all(type(v) is float and 0.0 <= v <= 16.0 for v in meta["tev_coverage"])
+    assert all(1 <= a <= 17 and 0 <= d <= 16 for a, d in zip(meta["tev_accept_length"], meta["tev_exit_depth"]))
