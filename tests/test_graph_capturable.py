@@ -91,6 +91,23 @@ def eager_without_data_dependent_ops(gm: torch.fx.GraphModule, example_inputs):
     return gm.forward
 
 
+def test_the_patched_choosers_are_what_a_device_chooses():
+    """device_path patches each chooser to the value it takes for a non-CPU tensor (meta here)."""
+    from sglang_tev.draft import ddtree
+    from sglang_tev.verify import _common
+
+    dev = torch.empty(2, 3, device="meta")
+    assert ddtree._use_heap("auto", dev) is False and ddtree._use_heap("auto", torch.empty(1)) is True
+    assert ddtree._exact_max_depth(dev.device) is False and ddtree._exact_max_depth(torch.device("cpu")) is True
+    assert _common._numpy_view(dev) is None and _common._numpy_view(torch.zeros(2)) is not None
+    # the greedy host walk is taken only for CPU logits (verify/dispatch.py): no size bound applies elsewhere
+    import inspect
+
+    from sglang_tev.verify import dispatch
+
+    assert 'logits.device.type == "cpu" and b * n <= HOST_WALK_MAX_NODES' in inspect.getsource(dispatch.verify_tree)
+
+
 def compiled(fn):
     torch._dynamo.reset()
     return torch.compile(fn, fullgraph=True, backend=eager_without_data_dependent_ops, dynamic=False)
