@@ -84,6 +84,10 @@ class SamplingParams:
 
 
 def _as_rows(x: Scalar, b: int, device, dtype) -> torch.Tensor:
+    if isinstance(x, (bool, int, float)):
+        # a fill on the device: torch.as_tensor of a Python number would copy it from the host
+        # with a blocking copy (a host sync on a GPU)
+        return torch.full((b,), x, dtype=dtype, device=device)
     t = torch.as_tensor(x, dtype=dtype, device=device)
     return t.expand(b) if t.dim() == 0 else t
 

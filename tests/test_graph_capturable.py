@@ -293,12 +293,11 @@ def test_round_device_path_has_no_host_sync(device_path, method):
             assert c.events == [], c.format()
 
 
-@pytest.mark.xfail(strict=True, reason="sampling._as_rows builds a device tensor from a Python scalar with "
-                   "torch.as_tensor: a blocking host-to-device copy (not capturable); torch.full would not copy")
 def test_scalar_sampling_parameters_do_not_copy_to_the_device(device_path):
     """processed_probs (predraw / sequential, and tev with a per-request temperature but a scalar
-    top-k / top-p / min-p: SGLang's ``need_*`` flags off) with Python-scalar parameters. Dynamo
-    folds the scalars, so only the counter sees the copy; strict xfail until sampling.py is fixed."""
+    top-k / top-p / min-p: SGLang's ``need_*`` flags off) with Python-scalar parameters: the
+    scalars become rows by a device fill (``sampling._as_rows``), not by ``torch.as_tensor``'s
+    blocking host-to-device copy. Dynamo folds the scalars, so only the counter sees the copy."""
     tree, seq, logits, g = round_inputs(0, *CASES[0][1])
     bs = tree.parents.shape[0]
     sp = SamplingParams(temperature=torch.full((bs,), 0.8), top_k=0, top_p=1.0, min_p=0.0)

@@ -384,7 +384,7 @@ class TEVWorker(DFlashWorkerV2):
         sampling = sampling_params_from_info(sampling_info)
         uniforms = None
         seeds = getattr(sampling_info, "sampling_seed", None)
-        if seeds is not None and not sampling.all_greedy():
+        if seeds is not None and not bool(getattr(sampling_info, "is_all_greedy", False)):  # a host flag: no read
             uniforms = seeded_uniforms(seeds, prefix, num_uniforms(self.tev.verifier, N))
         out = verify_batch(tree, logits, sampling, self.tev.verifier, generator=self._tev_generator, uniforms=uniforms)
         plan = commit_outputs(tree, out, prefix)
