@@ -380,6 +380,26 @@ def _patch_model_runner(mod) -> None:
     cls.maybe_enable_batch_invariant_mode = maybe_enable_batch_invariant_mode
 
 
+def _patch_pynccl_wrapper(mod) -> None:
+    """``srt/distributed/device_communicators/pynccl.py:73-79`` builds a PyNccl communicator for
+    every TP group of size > 1 and disables it only when ``NCCLLibrary`` cannot be loaded ("e.g.
+    in a non-GPU environment"). With this machine's CUDA build of torch, ``find_nccl_library``
+    (``pynccl_wrapper.py:39-65``) names ``libnccl.so.2``, which loads, and the constructor then
+    fails at ``pynccl.py:116`` (``torch.cuda.device(cpu)``: "Expected a cuda device, but got:
+    cpu"). On a CPU-only torch build the same function raises ``ValueError`` (no
+    ``torch.version.cuda``, line 63) and PyNccl is disabled; the harness answers as that build
+    does, so TP groups on ``--device cpu`` all-reduce through torch.distributed (gloo), SGLang's
+    own CPU path. CUDA processes are not affected (the harness runs only on CPU engines)."""
+    orig = mod.find_nccl_library
+
+    def find_nccl_library():
+        if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+            raise ValueError("NCCL only supports CUDA, ROCm and MUSA backends.")
+        return orig()
+
+    mod.find_nccl_library = find_nccl_library
+
+
 def install() -> None:
     """Install every stand-in in this process; idempotent. Sets ``SGLANG_USE_CPU_ENGINE=1``."""
     global _installed
@@ -397,6 +417,7 @@ def install() -> None:
                 "sglang.srt.models.dflash": _patch_dflash_model,
                 "sglang.srt.arg_groups.choices": _patch_choices,
                 "sglang.srt.model_executor.model_runner": _patch_model_runner,
+                "sglang.srt.distributed.device_communicators.pynccl_wrapper": _patch_pynccl_wrapper,
             }
         ),
     )
