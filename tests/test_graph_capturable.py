@@ -63,15 +63,12 @@ V = 16
 
 
 @pytest.fixture
-def device_path(monkeypatch):
+def device_path():
     """Take the code paths a CUDA device takes (see the module doc)."""
-    from sglang_tev.draft import ddtree
-    from sglang_tev.verify import _common, dispatch
+    from sglang_tev.testing.host_sync import gpu_code_paths
 
-    monkeypatch.setattr(ddtree, "_use_heap", lambda impl, x: impl == "heap")
-    monkeypatch.setattr(ddtree, "_exact_max_depth", lambda device: False)
-    monkeypatch.setattr(dispatch, "HOST_WALK_MAX_NODES", -1)
-    monkeypatch.setattr(_common, "_numpy_view", lambda x: None)
+    with gpu_code_paths():
+        yield
 
 
 class DataDependentOp(RuntimeError):

@@ -37,6 +37,7 @@ from .masks import KEPT_MASK_MAX_ROWS, KeptTreeMask, tree_masks
 from .records import RoundStats, Row
 from .static_cache import StaticKVCache
 from .stops import cut_block, leaf_tokens
+from .transfer import to_device
 from .target import TargetModel
 
 __all__ = ["NonFiniteLogitsError", "BatchState", "run_round", "draft", "build", "build_chain", "forward_inputs",
@@ -130,8 +131,8 @@ def run_round(state: BatchState) -> list[int]:
     rows = state.rows
     b = len(rows)
     sl = slice(0, b)
-    lens = torch.tensor([r.past_len for r in rows], dtype=torch.int64, device=state.device)
-    roots = torch.tensor([r.ids[-1] for r in rows], dtype=torch.int64, device=state.device)
+    lens = to_device([r.past_len for r in rows], torch.int64, state.device)
+    roots = to_device([r.ids[-1] for r in rows], torch.int64, state.device)
     depth_cap = [row_depth_cap(state, r) for r in rows]
 
     draft_logits = draft(state, sl, roots, lens, depth_cap)
@@ -196,7 +197,7 @@ def build(state: BatchState, draft_logits, roots, depth_cap: list[int]) -> Draft
     if state.method == "chain":
         return build_chain(draft_logits, roots, depth_cap, leaf, state.n_nodes)
     # no limit when every row may use the whole block (the common case: no tensor to make)
-    cap_t = None if min(depth_cap) >= state.block_size - 1 else torch.tensor(depth_cap, dtype=torch.int64, device=state.device)
+    cap_t = None if min(depth_cap) >= state.block_size - 1 else to_device(depth_cap, torch.int64, state.device)
     return build_ddtree(draft_logits, state.budget, roots, validate=state.first, depth_limit=cap_t, leaf_tokens=leaf)
 
 
@@ -294,14 +295,18 @@ def eager_tree_forward(state: BatchState, tokens, positions, masks):
 
 
 # ---------------------------------------------------------------------- verify
+def _first(x) -> float:
+    """A request's sampling value as a float (a Python number as is; a tensor's first entry)."""
+    return float(x) if isinstance(x, (int, float)) else float(torch.as_tensor(x).reshape(-1)[0])
+
+
 def row_sampling(state: BatchState) -> SamplingParams:
     """The batch's SamplingParams: Python scalars when every row shares them (fast paths),
     else [b] tensors. Rebuilt only when the active rows change."""
     key = tuple(id(r) for r in state.rows)
     if key != state.sampling_key:
         sps = [r.req.sampling for r in state.rows]
-        vals = {f: [float(torch.as_tensor(getattr(s, f)).reshape(-1)[0]) for s in sps]
-                for f in ("temperature", "top_k", "top_p", "min_p")}
+        vals = {f: [_first(getattr(s, f)) for s in sps] for f in ("temperature", "top_k", "top_p", "min_p")}
         vals["temperature"] = [0.0 if r.greedy else t for r, t in zip(state.rows, vals["temperature"])]
         if all(len(set(v)) == 1 for v in vals.values()):
             sp = SamplingParams(temperature=vals["temperature"][0], top_k=int(vals["top_k"][0]),
@@ -378,7 +383,7 @@ def commit(state: BatchState, sl: slice, tree: DraftTree, lens, feats, dec, time
             dst = lens.view(b, 1) + state.slot_ids[:w]
             ctx = None if feats is None else feats[:, :w]
             if not in_place:  # rows with shorter paths move their own slots onto themselves
-                src = torch.tensor([p + list(range(len(p), w)) for p in paths], dtype=torch.int64, device=dev)
+                src = to_device([p + list(range(len(p), w)) for p in paths], torch.int64, dev)
                 if w > 1:
                     state.cache.compact(sl, lens.view(b, 1) + src, dst)
                 if feats is not None:
@@ -408,9 +413,9 @@ def commit(state: BatchState, sl: slice, tree: DraftTree, lens, feats, dec, time
             r.result.finish_reason = reason
             finished.append(i)
     if writes_r and state.need_tokens:
-        wr = torch.tensor(writes_r, device=dev)
-        wt = torch.tensor(writes_t, dtype=torch.int64, device=dev)
-        state.tokens[wr, torch.tensor(writes_c, device=dev)] = wt
+        wr = to_device(writes_r, torch.int64, dev)
+        wt = to_device(writes_t, torch.int64, dev)
+        state.tokens[wr, to_device(writes_c, torch.int64, dev)] = wt
         state.controls.record(wr, wt, b)
     return finished
 

@@ -8,6 +8,8 @@ from typing import Sequence
 
 import torch
 
+from .transfer import to_device
+
 __all__ = ["stop_token_set", "leaf_tokens", "cut_block"]
 
 
@@ -35,7 +37,7 @@ def leaf_tokens(stops: Sequence[set[int]], device) -> torch.Tensor | None:
     if s == 0:
         return None
     rows = [sorted(st) + [-1] * (s - len(st)) for st in stops]
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    return to_device(rows, torch.int64, device)
 
 
 def cut_block(block: list[int], so_far: list[int], stops: set[int], stop_strings: Sequence[str] | None,

@@ -54,6 +54,7 @@ its fragments (``"/"``-separated, e.g. ``"sglang_tev/"`` or ``"sglang_tev/srt/ro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import Counter
@@ -62,7 +63,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["HostSync", "HostSyncCounter"]
+__all__ = ["HostSync", "HostSyncCounter", "gpu_code_paths"]
 
 _T = torch.Tensor
 _READS = {
@@ -263,3 +264,26 @@ class HostSyncCounter(TorchFunctionMode):
         if self.include is not None and not any(s in file for s in self.include):
             return
         self.events.append(HostSync(op, file, line, device))
+
+
+@contextlib.contextmanager
+def gpu_code_paths():
+    """Run the round's CUDA code paths on CPU tensors, so a CPU test counts or compiles what a GPU
+    runs: the level-wise DDTree builder (not the CPU heap) with its static depth bound (not the
+    exact max-depth read), the verifier's device walk (not the CPU host walk), ``torch.argmax``
+    (not the NumPy view). Each is the one chooser the code consults
+    (``draft.ddtree._use_heap`` / ``_exact_max_depth``, ``verify.dispatch.HOST_WALK_MAX_NODES``,
+    ``verify._common._numpy_view``); restored on exit. Results are unchanged (the paths are tested
+    equal); only speed on CPU and the host reads differ."""
+    from ..draft import ddtree
+    from ..verify import _common, dispatch
+
+    saved = (ddtree._use_heap, ddtree._exact_max_depth, dispatch.HOST_WALK_MAX_NODES, _common._numpy_view)
+    ddtree._use_heap = lambda impl, x: impl == "heap"
+    ddtree._exact_max_depth = lambda device: False
+    dispatch.HOST_WALK_MAX_NODES = -1
+    _common._numpy_view = lambda x: None
+    try:
+        yield
+    finally:
+        ddtree._use_heap, ddtree._exact_max_depth, dispatch.HOST_WALK_MAX_NODES, _common._numpy_view = saved

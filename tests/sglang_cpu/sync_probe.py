@@ -11,7 +11,7 @@ counts as if it were on the GPU) and each step appends one JSON line to ``<file>
 (paths from ``sglang_tev/`` or ``sglang/`` on). The probe also puts the round on its GPU code
 path, which is what is being counted: the level-wise DDTree builder with the static depth bound
 (not the CPU heap and its exact-depth read), the verifier's device walk (not the CPU host walk),
-torch argmax (not the NumPy view), as ``tests/test_graph_capturable.py`` does.
+torch argmax (not the NumPy view): ``sglang_tev.testing.host_sync.gpu_code_paths``.
 """
 
 from __future__ import annotations
@@ -30,20 +30,10 @@ def _short(path: str) -> str:
     return path
 
 
-def _gpu_paths() -> None:
-    from sglang_tev.draft import ddtree
-    from sglang_tev.verify import _common, dispatch
-
-    ddtree._use_heap = lambda impl, x: impl == "heap"
-    ddtree._exact_max_depth = lambda device: False
-    dispatch.HOST_WALK_MAX_NODES = -1
-    _common._numpy_view = lambda x: None
-
-
 def _wrap_worker(mod) -> None:
-    from sglang_tev.testing.host_sync import HostSyncCounter
+    from sglang_tev.testing.host_sync import HostSyncCounter, gpu_code_paths
 
-    _gpu_paths()
+    gpu_code_paths().__enter__()  # for the rest of the process
     out = os.environ[ENV]
     orig = mod.TEVWorker._tev_decode
 
