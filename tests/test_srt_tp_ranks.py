@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from sglang_tev.srt.round import (
     TOP_K_ALL,
+    adopt_rank0_decision,
     build_trees,
     commit_outputs,
     sampling_params_from_info,
@@ -135,10 +136,12 @@ def _candidate_topk(shard_logits: torch.Tensor, gather: _Gather):
     return top - lse.unsqueeze(-1), torch.gather(gids, -1, sel)
 
 
-def run_rounds(scenario: str, gather: _Gather, generator: torch.Generator, seed_shift: int = 0) -> dict:
+def run_rounds(scenario: str, gather: _Gather, generator: torch.Generator, seed_shift: int = 0, broadcast=None) -> dict:
     """``ROUNDS`` TEV rounds of one batch as ``TEVWorker._tev_decode`` runs them on one rank
     (steps 1 and 3 of the worker; the forwards are replaced by :func:`_world`'s logits, sharded).
-    ``seed_shift`` is added to the per-request seeds of ``mixed_seeded``. Returns
+    ``seed_shift`` is added to the per-request seeds of ``mixed_seeded``; ``broadcast`` (a gloo
+    broadcast from rank 0) makes the round adopt rank 0's decision, as the worker does with
+    SGLang's ``SpecTpSync`` on. Returns
     {name: int64 tensor [ROUNDS, ...]} for the names in :data:`RECORD`."""
     info = _sampling_info(scenario)
     if info.sampling_seed is not None:
@@ -160,6 +163,8 @@ def run_rounds(scenario: str, gather: _Gather, generator: torch.Generator, seed_
         if seeds is not None and not sampling.all_greedy():
             uniforms = seeded_uniforms(seeds, seq_lens, num_uniforms("tev", tree.parents.shape[1]))
         out = verify_batch(tree, logits, sampling, "tev", generator=generator, uniforms=uniforms)
+        if broadcast is not None:
+            out = adopt_rank0_decision(tree, out, broadcast)
         plan = commit_outputs(tree, out, seq_lens)
         for k, v in (
             ("parents", tree.parents),
@@ -193,6 +198,13 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
         for per_rank_seed in (False, True):
             for scenario in SCENARIOS:
                 result[(scenario, per_rank_seed)] = run_rounds(scenario, gather, _generator(rank, per_rank_seed))
+
+        def from_rank0(t):
+            dist.broadcast(t, src=0)
+            return t
+
+        # the worker's insurance: rank-dependent generators, decisions broadcast from rank 0
+        result[("mixed", "broadcast")] = run_rounds("mixed", gather, _generator(rank, True), broadcast=from_rank0)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -278,3 +290,13 @@ def test_shard_gather_is_exact():
     assert all(s.shape == (3, VOCAB // 2) for s in shards)
     assert torch.equal(torch.cat(shards, dim=-1), x)
 
+
+
+def test_rank0_broadcast_makes_diverging_ranks_agree(ranks, tp1):
+    """With the generators seeded per rank (the negative control above, which diverges) and the
+    worker's ``adopt_rank0_decision`` on (SGLang's ``SpecTpSync``, on by default at TP > 1), both
+    ranks commit rank 0's decisions in every round, and those are the decisions one process
+    with rank 0's generator (``random_seed + 0``, the TP 1 run) takes."""
+    r0, r1 = ranks[0][("mixed", "broadcast")], ranks[1][("mixed", "broadcast")]
+    assert _differing_rounds(r0, r1) == []
+    assert _differing_rounds(r0, tp1["mixed"]) == []

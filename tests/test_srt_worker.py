@@ -174,6 +174,8 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
     w.draft_model_runner = SimpleNamespace(forward=draft_forward, kv_index_translator=translator)
     w._append_target_hidden_to_draft_kv_by_loc = lambda **kw: appended.append(kw)
     w._tev_generator = torch.Generator().manual_seed(0)
+    # a one-rank TP sync that is on: the round adopts "rank 0's" decision through it (identity here)
+    w._tp_sync = SimpleNamespace(enabled=lambda site: True, sync=lambda site, t: t)
 
     greedy = SamplingBatchInfo(
         temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),

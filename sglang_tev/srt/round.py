@@ -40,6 +40,7 @@ __all__ = [
     "sampling_params_from_info",
     "verify_batch",
     "seeded_uniforms",
+    "adopt_rank0_decision",
     "commit_outputs",
     "CommitPlan",
     "compact_rows",
@@ -325,6 +326,31 @@ class CommitPlan:
     src_rows: torch.Tensor
     dst_rows: torch.Tensor
     new_seq_lens: torch.Tensor
+
+
+def adopt_rank0_decision(tree: DraftTree, out: VerifyOutput, broadcast) -> VerifyOutput:
+    """Every tensor-parallel rank takes rank 0's verify decision (the exit node and the bonus).
+
+    The ranks already decide alike (the same gathered logits, the same seeded generator, the same
+    tree), as SGLang's DFlash does without its broadcast; this is its insurance against a rank
+    that drew or rounded differently (``SpecTpSync``, ``dflash_worker_v2.py:2209-2229``: accept
+    lengths and bonus tokens from rank 0), which would otherwise let the ranks' KV caches drift
+    apart silently. The tree must be the same on every rank (it is built from all-gathered drafter
+    candidates); only the decision over it is broadcast.
+
+    Args:
+        tree: the round's trees [b, N].
+        out: this rank's decision.
+        broadcast: ``fn(int64 tensor) -> tensor`` with rank 0's values (in place, as
+            ``GroupCoordinator.broadcast``).
+    Returns:
+        A :class:`VerifyOutput` on rank 0's exit nodes and bonus tokens (path and accept length
+        recomputed from the tree; this rank's coverage kept: it is a report, not a decision).
+    """
+    exit_node = broadcast(out.exit_node.to(torch.int64).contiguous())
+    bonus = broadcast(out.bonus.to(torch.int64).contiguous())
+    accept_len = torch.gather(tree.depth, 1, exit_node.view(-1, 1)).squeeze(1).to(torch.int64)
+    return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, out.coverage)
 
 
 def commit_outputs(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -> CommitPlan:

@@ -46,6 +46,7 @@ from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjus
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
 from ..verify import num_uniforms
@@ -54,6 +55,7 @@ from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, 
 from .kv_headroom import check_row_headroom
 from .penalties import apply_tree_penalties, count_accepted
 from .round import (
+    adopt_rank0_decision,
     build_trees,
     commit_outputs,
     compact_rows,
@@ -384,9 +386,13 @@ class TEVWorker(DFlashWorkerV2):
         sampling = sampling_params_from_info(sampling_info)
         uniforms = None
         seeds = getattr(sampling_info, "sampling_seed", None)
-        if seeds is not None and not bool(getattr(sampling_info, "is_all_greedy", False)):  # a host flag: no read
+        all_greedy = bool(getattr(sampling_info, "is_all_greedy", False))  # a host flag: no read
+        if seeds is not None and not all_greedy:
             uniforms = seeded_uniforms(seeds, prefix, num_uniforms(self.tev.verifier, N))
         out = verify_batch(tree, logits, sampling, self.tev.verifier, generator=self._tev_generator, uniforms=uniforms)
+        site = SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if all_greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
+        if self._tp_sync.enabled(site):  # TP > 1 (SGLANG_SPEC_TP_SYNC, default all): rank 0 decides
+            out = adopt_rank0_decision(tree, out, lambda t: self._tp_sync.sync(site, t))
         plan = commit_outputs(tree, out, prefix)
         if penalizer is not None:  # the accepted drafts join the penalty state (the bonus: next root)
             count_accepted(penalizer, plan.out_tokens, plan.commit_lens - 1)
