@@ -65,9 +65,10 @@ def register() -> None:
     if wants_cpu_attention():
         register_cpu_attention(CPU_ATTENTION_BACKEND)
 
-    # supports_overlap only gates SGLang's deprecated-V1 warning and its overlap check
-    # (spec_registry.py:137-150): the worker is on the V2 schema (a DFlashWorkerV2), and TEV's
-    # own resolution turns overlap scheduling off, which the round does not support yet
+    # supports_overlap gates SGLang's deprecated-V1 warning and its overlap check
+    # (spec_registry.py:137-150): the worker is on the V2 schema (a DFlashWorkerV2) and runs with
+    # overlap scheduling on; TEV's resolution turns it off only where the KV reserve cannot cover
+    # a lagging step (config.resolve_server_args, kv_headroom.overlap_reserve_need)
     @SpeculativeAlgorithm.register(
         ALGORITHM_NAME,
         supports_overlap=True,
