@@ -176,31 +176,17 @@ def _build_heap(lq_rows, id_rows, budget, root_tokens, depth_limit, leaf_tokens)
     ``lq_rows[r][j]`` / ``id_rows[r][j]``: Python lists, the ranked candidates of tree r at depth
     j + 1 (log q as floats, best first; ids). Rows may be shorter than others, or empty, when
     the caller has proven the missing entries cannot enter the tree (:func:`_ranked_survivors`)."""
-    import numpy as np
-
     b = len(lq_rows)
     H = len(lq_rows[0]) if b else 0
-    n = 1 + budget
-    dev = root_tokens.device
     limits, leaves = _host_options(b, H, depth_limit, leaf_tokens)
-    parents = np.zeros((b, n), dtype=np.int64)
-    tokens = np.zeros((b, n), dtype=np.int64)
-    depth = np.ones((b, n), dtype=np.int64)
-    valid = np.zeros((b, n), dtype=np.bool_)
-    anc = np.zeros((b, n, n), dtype=np.bool_)
-    parents[:, 0], depth[:, 0], valid[:, 0] = -1, 0, True
-    anc[:, np.arange(n), np.arange(n)] = True
-    anc[:, 1:, 0] = True  # padded nodes see the root and themselves
-    tokens[:, 0] = root_tokens.cpu().numpy()
-    max_depth = 0
     heappop, heappush = heapq.heappop, heapq.heappush
-    roots = tokens[:, 0].tolist()
-    host = ([[-1] for _ in range(b)], [[t] for t in roots])
+    rows = []
     for r in range(b):
         lim, leaf, lqr, idr = limits[r], leaves[r], lq_rows[r], id_rows[r]
+        par_l, tok_l, dep_l = [], [], []
+        rows.append((par_l, tok_l, dep_l))
         if lim < 1 or not lqr[0]:
             continue
-        par_l, tok_l, dep_l = [], [], []
         # item: (-score, ranks, parent node, depth, rank, score, parent score)
         heap = [(-lqr[0][0], (0,), 0, 1, 0, lqr[0][0], 0.0)]
         cnt = 0
@@ -218,6 +204,35 @@ def _build_heap(lq_rows, id_rows, budget, root_tokens, depth_limit, leaf_tokens)
             if d < lim and tok not in leaf and lqr[d]:
                 ch = s + lqr[d][0]
                 heappush(heap, (-ch, ranks + (0,), cnt, d + 1, 0, ch, s))
+    return _host_tree(rows, budget, root_tokens)
+
+
+def _host_tree(rows, budget: int, root_tokens: torch.Tensor) -> DraftTree:
+    """The :class:`DraftTree` of host-built trees (shared by the host heaps, here and in
+    :mod:`sglang_tev.draft.lattice`). ``rows[r] = (parents, tokens, depths)``: Python lists of tree
+    r's non-root nodes in pop order (parents as node indices, root = 0, parents precede children),
+    at most ``budget`` each; the rest is padding. The ancestor rows are filled on the host."""
+    import numpy as np
+
+    b = len(rows)
+    n = 1 + budget
+    dev = root_tokens.device
+    parents = np.zeros((b, n), dtype=np.int64)
+    tokens = np.zeros((b, n), dtype=np.int64)
+    depth = np.ones((b, n), dtype=np.int64)
+    valid = np.zeros((b, n), dtype=np.bool_)
+    anc = np.zeros((b, n, n), dtype=np.bool_)
+    parents[:, 0], depth[:, 0], valid[:, 0] = -1, 0, True
+    anc[:, np.arange(n), np.arange(n)] = True
+    anc[:, 1:, 0] = True  # padded nodes see the root and themselves
+    tokens[:, 0] = root_tokens.cpu().numpy()
+    max_depth = 0
+    roots = tokens[:, 0].tolist()
+    host = ([[-1] for _ in range(b)], [[t] for t in roots])
+    for r, (par_l, tok_l, dep_l) in enumerate(rows):
+        cnt = len(par_l)
+        if not cnt:
+            continue
         host[0][r].extend(par_l)
         host[1][r].extend(tok_l)
         parents[r, 1: cnt + 1] = par_l
@@ -391,28 +406,47 @@ def _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> Dra
         c_depth = torch.where(slot_j == 0, depth.unsqueeze(-1), torch.full_like(depth.unsqueeze(-1), d))
         c_rank = torch.where(slot_j == 0, rank.unsqueeze(-1), (slot_j - 1).expand(b, B, 1 + k))
         c_parent = torch.where(slot_j == 0, parent.unsqueeze(-1), old_idx)  # parent as an OLD kept index
-        flat = lambda x: x.reshape(b, B * (1 + k))  # noqa: E731
-        c_score, c_valid, c_depth, c_rank, c_parent = map(flat, (c_score, c_valid, c_depth, c_rank, c_parent))
+        score, valid, parent, depth, rank = _keep_best(c_score, c_valid, c_parent, c_depth, c_rank)
 
-        # best B by (valid, score desc), ties by preorder position; then back to preorder
-        chosen = _best_stable(c_score, c_valid)[:, :B].sort(dim=1).values  # preorder positions of the new kept list
+    tok = ids.gather(1, (depth - 1).clamp(min=0).unsqueeze(-1).expand(b, B, k)).gather(2, rank.unsqueeze(-1)).squeeze(-1)
+    return _levels_tree(score, valid, depth, parent, tok, root_tokens, H)
 
-        new_of_cand = torch.full((b, B * (1 + k)), -1, dtype=torch.int64, device=dev)
-        new_of_cand.scatter_(1, chosen, torch.arange(B, device=dev).expand(b, B).clone())
-        new_of_old = new_of_cand.view(b, B, 1 + k)[:, :, 0]
-        score, valid, depth, rank = (x.gather(1, chosen) for x in (c_score, c_valid, c_depth, c_rank))
-        par_old = c_parent.gather(1, chosen)
-        parent = torch.where(par_old >= 0, new_of_old.gather(1, par_old.clamp(min=0)), par_old)
 
-    # pop order: stable sort of the preorder list by (valid, score desc)
+def _keep_best(c_score, c_valid, c_parent, *fields):
+    """One level of the level-wise search (shared with :mod:`sglang_tev.draft.lattice`): from the
+    candidates [b, B, 1 + k] (slot 0 = a kept node, slots 1.. = its new children, so the flattened
+    list is in rank-tuple preorder), keep the best B by (valid, score desc), ties by preorder
+    position, back in preorder. ``c_parent`` holds OLD kept indices (-1 = the root); returned
+    parents are NEW kept indices. Returns (score, valid, parent, *fields), each [b, B]."""
+    b, B, m = c_score.shape
+    dev = c_score.device
+    flat = lambda x: x.reshape(b, B * m)  # noqa: E731
+    c_score, c_valid, c_parent = flat(c_score), flat(c_valid), flat(c_parent)
+    chosen = _best_stable(c_score, c_valid)[:, :B].sort(dim=1).values  # preorder positions of the new kept list
+    new_of_cand = torch.full((b, B * m), -1, dtype=torch.int64, device=dev)
+    new_of_cand.scatter_(1, chosen, torch.arange(B, device=dev).expand(b, B).clone())
+    new_of_old = new_of_cand.view(b, B, m)[:, :, 0]
+    par_old = c_parent.gather(1, chosen)
+    parent = torch.where(par_old >= 0, new_of_old.gather(1, par_old.clamp(min=0)), par_old)
+    return (c_score.gather(1, chosen), c_valid.gather(1, chosen), parent,
+            *(flat(x).gather(1, chosen) for x in fields))
+
+
+def _levels_tree(score, valid, depth, parent, tok, root_tokens, H: int) -> DraftTree:
+    """The :class:`DraftTree` of a level-wise search's kept list (shared with
+    :mod:`sglang_tev.draft.lattice`): ``score`` float64, ``valid`` bool, ``depth`` / ``parent`` /
+    ``tok`` int64, all [b, B] in rank-tuple preorder (``parent`` a kept index, -1 = the root).
+    Nodes go out in pop order: a stable sort by (valid, score desc). No host sync unless
+    :func:`_exact_max_depth` says so."""
+    b, B = score.shape
+    dev = score.device
     order = _best_stable(score, valid)
     pos_of_kept = torch.empty_like(order).scatter_(1, order, torch.arange(B, device=dev).expand(b, B).clone())
-    valid_o, depth_o, rank_o, parent_o = (x.gather(1, order) for x in (valid, depth, rank, parent))
+    valid_o, depth_o, parent_o, tok_o = (x.gather(1, order) for x in (valid, depth, parent, tok))
     parent_node = torch.where(parent_o >= 0, pos_of_kept.gather(1, parent_o.clamp(min=0)) + 1, torch.zeros_like(parent_o))
-    tok = ids.gather(1, (depth_o - 1).clamp(min=0).unsqueeze(-1).expand(b, B, k)).gather(2, rank_o.unsqueeze(-1)).squeeze(-1)
     ones = torch.ones(b, 1, dtype=torch.int64, device=dev)
     parents = torch.cat([-ones, torch.where(valid_o, parent_node, 0)], 1)
-    tokens = torch.cat([root_tokens.view(b, 1), torch.where(valid_o, tok, 0)], 1)
+    tokens = torch.cat([root_tokens.view(b, 1), torch.where(valid_o, tok_o, 0)], 1)
     valid_all = torch.cat([ones.bool(), valid_o], 1)
     depth_all = torch.cat([ones - 1, torch.where(valid_o, depth_o, 1)], 1)
     # ancestor mask: walk up min(H, B) static steps (parents precede children, so no cycles)
