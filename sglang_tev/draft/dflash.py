@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .dflash2 import DFLASH2_ARCHITECTURES, CandidateSelector, GroupedCausalConv, SelectorLattice, transform_logits
+
 __all__ = [
     "DFlashConfig",
     "DFlashDraftCache",
@@ -104,6 +106,31 @@ _DFLASH_CONFIG_KEYS = frozenset({"mask_token_id", "target_layer_ids", "block_siz
                                  "num_target_layers", "mask_token"})
 _DFLASH_CONFIG_NEUTRAL = ("input_embedding_scale", "output_multiplier",
                           "final_logit_softcapping", "is_causal", *_DFLASH2_KEYS)
+# Keys a DFlash2 architecture (DFLASH2_ARCHITECTURES) consumes instead of requiring them neutral.
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                   "output_multiplier", "final_logit_softcapping")
+
+
+def _parse_dflash2_fields(get) -> dict[str, Any]:
+    """DFlash2 fields from ``get(key, default)`` (dflash_config first, then the top level), as
+    SGLang's ``parse_dflash_draft_config``: 0/None conv or selector sizes mean absent, a softcap of
+    0/None means none. Types are checked strictly (an int, not a bool/str/float)."""
+    out: dict[str, Any] = {}
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = get(key, None)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+            out[key] = None
+        else:
+            out[key] = _check_int(value, key, 1)
+    mult = get("output_multiplier", 1.0)
+    if isinstance(mult, bool) or not isinstance(mult, (int, float)):
+        raise ValueError(f"config key 'output_multiplier' must be a number > 0, got {mult!r}")
+    out["output_multiplier"] = float(mult)
+    cap = get("final_logit_softcapping", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
+        raise ValueError(f"config key 'final_logit_softcapping' must be a number or null, got {cap!r}")
+    out["final_logit_softcapping"] = None if cap is None or cap == 0 else float(cap)
+    return out
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -194,6 +221,17 @@ class DFlashConfig:
     ``output_multiplier``, ``final_logit_softcapping``, DFlash-2 selector/conv/projector keys,
     non-default RoPE, attention/MLP bias, dropout, an activation other than SiLU) unless its value
     is the neutral one, and for any key it does not know.
+
+    DFlash2 (issue 28): with ``architectures`` one of ``DFlash2DraftModel``,
+    ``DFlash2BeamDraftModel``, ``MiniMaxDFlash2DraftModel`` (the last two are aliases, as in SGLang
+    0.5.23) the keys ``conv_kernel_size`` + ``conv_group_size`` (together; 0/absent = no conv; the
+    group size divides ``hidden_size``), ``selector_rank`` + ``selector_top_k`` (together,
+    required, as SGLang's ``DFlash2DraftModel``; ``top_k <= vocab_size``), ``output_multiplier``
+    (finite, > 0) and ``final_logit_softcapping`` (0/null = off, else > 0) are read from
+    ``dflash_config`` or the top level (``ValueError`` when both are given and differ) and
+    ``vocab_size`` is required. ``projector_type``, ``attention_sink_bias``,
+    ``attention_value_scale``, ``input_embedding_scale`` stay refused. With the v1 architecture
+    the DFlash2 keys must be absent or neutral, as before.
     """
 
     hidden_size: int
@@ -209,8 +247,21 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
-    vocab_size: int | None = None   # the target's (padded) vocabulary; informational
+    vocab_size: int | None = None   # the target's (padded) vocabulary; informational for v1
     extra: dict = field(default_factory=dict, compare=False)  # passthrough bookkeeping keys
+    # DFlash2 (issue 28): only with a DFLASH2_ARCHITECTURES architecture; see docs/runtime.md
+    architecture: str = ARCHITECTURE
+    conv_kernel_size: int | None = None   # taps of the grouped dynamic causal conv (with group size)
+    conv_group_size: int | None = None    # channels per conv group; divides hidden_size
+    selector_rank: int | None = None      # r of the selector codebooks (with selector_top_k)
+    selector_top_k: int | None = None     # candidates per slot
+    output_multiplier: float = 1.0        # draft logits x this (> 0) ...
+    final_logit_softcapping: float | None = None  # ... then c * tanh(logits / c)
+
+    @property
+    def is_dflash2(self) -> bool:
+        """True for a DFlash2 architecture (conv and/or selector, logit transform)."""
+        return self.architecture in DFLASH2_ARCHITECTURES
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -237,6 +288,52 @@ class DFlashConfig:
                                  f"vocab_size={self.vocab_size}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"config key 'rms_norm_eps' must be > 0, got {self.rms_norm_eps}")
+        self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        """The DFlash2 fields: one ValueError naming the field (DFlash2 rules as SGLang 0.5.23's
+        ``parse_dflash_draft_config`` and ``DFlash2DraftModel``, plus what the model needs)."""
+        if self.architecture != ARCHITECTURE and self.architecture not in DFLASH2_ARCHITECTURES:
+            raise ValueError(f"config key 'architectures'={[self.architecture]!r} is not supported "
+                             f"(expected one of {[ARCHITECTURE, *DFLASH2_ARCHITECTURES]})")
+        if not self.is_dflash2:
+            for key in _DFLASH2_FIELDS:
+                value = getattr(self, key)
+                neutral = 1.0 if key == "output_multiplier" else None
+                if value != neutral:
+                    raise ValueError(f"config key {key!r}={value!r} needs a DFlash2 architecture "
+                                     f"({list(DFLASH2_ARCHITECTURES)}), not {self.architecture!r}")
+            return
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, key)
+            if value is not None:
+                _check_int(value, key, 1)
+        if (self.conv_kernel_size is None) != (self.conv_group_size is None):
+            raise ValueError(f"config key 'conv_group_size'={self.conv_group_size!r} and "
+                             f"'conv_kernel_size'={self.conv_kernel_size!r} must be set together")
+        if self.conv_group_size is not None and self.hidden_size % self.conv_group_size:
+            raise ValueError(f"config key 'conv_group_size'={self.conv_group_size} must divide "
+                             f"hidden_size={self.hidden_size}")
+        if (self.selector_rank is None) != (self.selector_top_k is None):
+            raise ValueError(f"config key 'selector_top_k'={self.selector_top_k!r} and "
+                             f"'selector_rank'={self.selector_rank!r} must be set together")
+        if self.selector_rank is None:
+            raise ValueError(f"config key 'architectures'={[self.architecture]!r} needs "
+                             "'selector_rank' and 'selector_top_k' (as SGLang's DFlash2DraftModel)")
+        if self.vocab_size is None:
+            raise ValueError("config key 'vocab_size' is required by a DFlash2 drafter (the "
+                             "selector codebooks have one row per token)")
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"config key 'selector_top_k'={self.selector_top_k} exceeds "
+                             f"vocab_size={self.vocab_size}")
+        m = self.output_multiplier
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
+            raise ValueError(f"config key 'output_multiplier' must be a finite number > 0, got {m!r}")
+        c = self.final_logit_softcapping
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not 0 < c < float("inf")):
+            raise ValueError(f"config key 'final_logit_softcapping' must be null/0 (off) or a "
+                             f"finite number > 0, got {c!r}")
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "DFlashConfig":
@@ -247,15 +344,20 @@ class DFlashConfig:
         if unknown:
             raise ValueError(f"config keys {sorted(unknown)} are not known to sglang_tev's DFlash "
                              "drafter; refusing to load them silently")
-        for key in _NEUTRAL_VALUES:
-            if key in cfg:
-                _check_neutral(key, cfg[key])
         arch = cfg.get("architectures")
-        if arch is not None and list(arch) != [ARCHITECTURE]:
+        if isinstance(arch, (str, bytes)) or (arch is not None and not isinstance(arch, Sequence)):
+            raise ValueError(f"config key 'architectures' must be a list, got {arch!r}")
+        dflash2 = arch is not None and len(arch) == 1 and arch[0] in DFLASH2_ARCHITECTURES
+        own = _DFLASH2_FIELDS if dflash2 else ()  # consumed below instead of required neutral
+        for key in _NEUTRAL_VALUES:
+            if key in cfg and key not in own:
+                _check_neutral(key, cfg[key])
+        if arch is not None and list(arch) != [ARCHITECTURE] and not dflash2:
             hint = ("; this looks like a target model, not a DFlash drafter"
                     if any(str(a).endswith("ForCausalLM") for a in arch) else "")
             raise ValueError(f"config key 'architectures'={arch!r} is not supported "
-                             f"(expected [{ARCHITECTURE!r}]){hint}")
+                             f"(expected [{ARCHITECTURE!r}] or one of "
+                             f"{[[a] for a in DFLASH2_ARCHITECTURES]}){hint}")
         if cfg.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"config key 'model_type'={cfg['model_type']!r} is not supported "
                              "(expected 'qwen3')")
@@ -263,7 +365,11 @@ class DFlashConfig:
         if not isinstance(dcfg, Mapping):
             raise ValueError(f"config key 'dflash_config' must be a dict, got {dcfg!r}")
         for key, value in dcfg.items():
-            if key in _DFLASH_CONFIG_NEUTRAL:
+            if key in own:
+                if key in cfg and cfg[key] != value:
+                    raise ValueError(f"config key 'dflash_config.{key}'={value!r} differs from the "
+                                     f"top-level {key!r}={cfg[key]!r}")
+            elif key in _DFLASH_CONFIG_NEUTRAL:
                 _check_neutral(key, value, where="dflash_config.")
             elif key not in _DFLASH_CONFIG_KEYS:
                 raise ValueError(f"config key 'dflash_config.{key}' is not known to sglang_tev's "
@@ -311,6 +417,8 @@ class DFlashConfig:
             max_position_embeddings=get("max_position_embeddings", 32768),
             vocab_size=get("vocab_size", None),
             extra=extra,
+            architecture=arch[0] if dflash2 else ARCHITECTURE,
+            **(_parse_dflash2_fields(get) if dflash2 else {}),
         )
 
     @classmethod
@@ -329,8 +437,12 @@ class DFlashConfig:
                 "block_size": self.block_size}
         if "dflash_config.mask_token" in self.extra:
             dcfg["mask_token"] = self.extra["dflash_config.mask_token"]
+        if self.is_dflash2:  # SGLang reads these only from dflash_config; z-lab there first
+            for key in _DFLASH2_FIELDS:
+                if getattr(self, key) is not None:
+                    dcfg[key] = getattr(self, key)
         out.update({
-            "architectures": [ARCHITECTURE],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -595,16 +707,31 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
+    """Qwen3 pre-norm block; with DFlash2's conv (``cfg.conv_kernel_size``) the attention and the
+    MLP are each wrapped: ``conv_in(norm(h))`` -> sublayer -> ``conv_out`` (reference
+    ``Qwen3DFlashDecoderLayer.forward``). The context K/V path gets no conv."""
+
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DFlashMLP(cfg)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.conv_kernel_size is not None:
+            self.attention_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, h, cos, sin, past_k, past_v, attn_mask=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, past_k, past_v, attn_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, past_k, past_v, attn_mask=None, block_len: int | None = None):
+        """``block_len``: tokens per block for the conv (None: the whole sequence is one block)."""
+        if self.attention_conv is None:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, past_k, past_v, attn_mask)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, delta = self.attention_conv.prepare(self.input_layernorm(h), block_len)
+        a = self.self_attn(x, cos, sin, past_k, past_v, attn_mask)
+        h = h + self.attention_conv.finish(a, delta, block_len)
+        x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(h), block_len)
+        return h + self.mlp_conv.finish(self.mlp(x), delta, block_len)
 
 
 def _positions(pos: torch.Tensor, b: int, t: int, name: str, device: torch.device) -> torch.Tensor:
@@ -625,6 +752,12 @@ class DFlashDraftModel(nn.Module):
     post_attention_layernorm}.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
     ``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
     ``fc.weight (H, n*H)``, ``hidden_norm.weight``, ``norm.weight``.
+
+    DFlash2 (``config.is_dflash2``, issue 28) adds ``layers.{i}.{attention,mlp}_conv.base_kernel
+    (2, taps, H)`` and ``layers.{i}.{attention,mlp}_conv.kernel_projection.weight (2*taps*G, H)``
+    when ``conv_kernel_size`` is set, and ``candidate_selector.{predecessor,successor}_codebook
+    (V, r)`` + ``candidate_selector.hidden_projection.weight (r, H)``
+    (:mod:`sglang_tev.draft.dflash2`); its draft logits go through the logit transform.
     """
 
     def __init__(self, config: DFlashConfig) -> None:
@@ -635,6 +768,9 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.norm = RMSNorm(H, config.rms_norm_eps)
+        if config.selector_rank is not None:
+            self.candidate_selector = CandidateSelector(H, config.vocab_size, config.selector_rank,
+                                                        config.selector_top_k)
 
     # -- conveniences -------------------------------------------------------------------------
     @property
@@ -713,8 +849,14 @@ class DFlashDraftModel(nn.Module):
         cos, sin = _rope(pos, self.config.head_dim, self.config.rope_theta, dtype)
         h = block_embeds.to(dtype)
         for layer, (past_k, past_v) in zip(self.layers, past):
-            h = layer(h, cos, sin, past_k, past_v)
+            h = layer(h, cos, sin, past_k, past_v, block_len=K)
         return self.norm(h)
+
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """DFlash2's logit transform (``output_multiplier``, then ``final_logit_softcapping``) on
+        draft logits of any shape; the identity for DFlash v1. See
+        :func:`sglang_tev.draft.dflash2.transform_logits`."""
+        return transform_logits(logits, self.config.output_multiplier, self.config.final_logit_softcapping)
 
     def draft_logits(self, target_embed: nn.Module | Callable[[torch.Tensor], torch.Tensor],
                      target_lm_head: nn.Module | Callable[[torch.Tensor], torch.Tensor],
@@ -740,10 +882,39 @@ class DFlashDraftModel(nn.Module):
         block_size : K (default ``config.block_size``); smaller near ``max_new_tokens``.
 
         Returns float32 ``(b, K-1, V)``: row ``j`` = draft logits of depth ``j + 1`` at
-        position ``root_pos + j + 1``. Raises ``ValueError`` naming the argument on bad shapes,
-        ``block_size < 2``, or (for an int ``root_pos``) ``cache.length + T_new != root_pos``.
+        position ``root_pos + j + 1`` (DFlash2: after :meth:`transform_logits`, on the full
+        vocabulary, as z-lab ``compute_logits``). Raises ``ValueError`` naming the argument on bad
+        shapes, ``block_size < 2``, or (for an int ``root_pos``) ``cache.length + T_new != root_pos``.
         No host sync. Call under ``torch.inference_mode()`` when no gradient is wanted.
         """
+        hidden = self._draft_hidden(target_embed, root_tokens, root_pos, new_ctx_features, cache, block_size)
+        return self._head(target_lm_head, hidden)
+
+    def _head(self, target_lm_head, hidden: torch.Tensor) -> torch.Tensor:
+        head_w = getattr(target_lm_head, "weight", None)
+        if isinstance(head_w, torch.Tensor):
+            hidden = hidden.to(head_w.dtype)
+        return self.transform_logits(target_lm_head(hidden).float())
+
+    def draft_lattice(self, target_embed: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+                      target_lm_head: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+                      root_tokens: torch.Tensor, root_pos: int | torch.Tensor,
+                      new_ctx_features: torch.Tensor | None, cache: DFlashDraftCache | None,
+                      block_size: int | None = None) -> tuple[torch.Tensor, SelectorLattice]:
+        """One DFlash2 round's draft: (transformed logits float32 ``(b, K-1, V)``, the selector's
+        :class:`~sglang_tev.draft.dflash2.SelectorLattice` over slots 1 .. K-1 with the root as
+        slot 0's predecessor). Arguments and errors as :meth:`draft_logits`; also ``ValueError``
+        when the drafter has no selector. Reference: z-lab ``dflash_generate`` draft step +
+        ``DFlash2DraftModel.propose``."""
+        if self.config.selector_rank is None:
+            raise ValueError("draft_lattice: this drafter has no candidate selector (DFlash v1)")
+        hidden = self._draft_hidden(target_embed, root_tokens, root_pos, new_ctx_features, cache, block_size)
+        logits = self._head(target_lm_head, hidden)
+        return logits, self.candidate_selector.lattice(hidden, logits, root_tokens)
+
+    def _draft_hidden(self, target_embed, root_tokens, root_pos, new_ctx_features, cache,
+                      block_size) -> torch.Tensor:
+        """Final-normed hidden states ``(b, K-1, H)`` of slots 1 .. K-1 (see :meth:`draft_logits`)."""
         K = self.config.block_size if block_size is None else block_size
         if isinstance(K, bool) or not isinstance(K, int) or K < 2:
             raise ValueError(f"block_size: must be an int >= 2, got {block_size!r}")
@@ -769,11 +940,7 @@ class DFlashDraftModel(nn.Module):
         block_pos = base + torch.arange(K, device=dev)  # [b or 1, K]
         ctx_pos = base - t_new + torch.arange(t_new, device=dev)  # [b or 1, T_new]
         hidden = self.forward(new_ctx_features, ctx_pos, target_embed(block_ids), block_pos, cache)
-        hidden = hidden[:, 1:]
-        head_w = getattr(target_lm_head, "weight", None)
-        if isinstance(head_w, torch.Tensor):
-            hidden = hidden.to(head_w.dtype)
-        return target_lm_head(hidden).float()
+        return hidden[:, 1:]
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor,
                       block_positions: torch.Tensor, attn_mask: torch.Tensor,
@@ -791,7 +958,9 @@ class DFlashDraftModel(nn.Module):
         ctx_positions : int ``(S,)`` or ``(b, S)``; default ``arange(S)``.
 
         Returns ``(b, M, H)`` final-normed hidden states (apply the target LM head to slots
-        ``1..K-1`` of each block). Differentiable; no cache involved.
+        ``1..K-1`` of each block). Differentiable; no cache involved. With DFlash2's conv the
+        blocks are ``config.block_size`` tokens each (the conv restarts at each); ``ValueError``
+        (argument ``block_embeds``) when ``M`` is not a multiple of it.
         """
         if ctx_features.dim() != 3:
             raise ValueError(f"ctx_features: expected (b, S, n*H), got {tuple(ctx_features.shape)}")
@@ -799,6 +968,9 @@ class DFlashDraftModel(nn.Module):
         if block_embeds.dim() != 3 or block_embeds.shape[0] != b:
             raise ValueError(f"block_embeds: expected ({b}, M, H), got {tuple(block_embeds.shape)}")
         m = block_embeds.shape[1]
+        if self.config.conv_kernel_size is not None and m % self.config.block_size:
+            raise ValueError(f"block_embeds: M={m} is not a multiple of block_size="
+                             f"{self.config.block_size} (the DFlash2 conv runs per block)")
         if attn_mask.dim() != 3 or attn_mask.shape[0] not in (1, b) or \
                 tuple(attn_mask.shape[1:]) != (m, s + m):
             raise ValueError(f"attn_mask: expected ({b} or 1, {m}, {s + m}), got "
@@ -814,7 +986,7 @@ class DFlashDraftModel(nn.Module):
             mask = mask.to(dtype)
         h = block_embeds.to(dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            h = layer(h, cos, sin, k, v, mask)
+            h = layer(h, cos, sin, k, v, mask, block_len=self.config.block_size)
         return self.norm(h)
 
     # -- checkpoint I/O -----------------------------------------------------------------------

@@ -148,7 +148,10 @@ class StaticDFlashDrafter:
     @torch.inference_mode()
     def draft_rows(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, tokens: torch.Tensor,
                    depth: int, max_root_pos: int) -> torch.Tensor:
-        """float32 [b, depth, V]: row j = draft logits of depth j + 1 (see the module docstring).
+        """float32 [b, depth, V]: row j = draft logits of depth j + 1 (see the module docstring);
+        for a DFlash2 drafter with its conv in every layer over the block (the block is the whole
+        sequence here) and the logit transform on the full vocabulary (marginal mode: the selector
+        is not used by this runtime yet, issue 28).
 
         A context deferred by :meth:`add_context` for the same ``rows`` is projected here, fused
         with the block ([context ; block] rows per layer); one for other rows is written first."""
@@ -186,10 +189,13 @@ class StaticDFlashDrafter:
         one_slice = b == 1 and ctx is None  # block only, contiguous: a slice copy
         sidx = None if one_slice else idx[:, None, :, None]
         h = torch.cat([self.embed(roots.view(b, 1)).to(dtype), self._mask_embed.expand(b, depth, -1)], dim=1)
+        conv = m.layers[0].attention_conv is not None  # DFlash2: conv around attention and MLP, in the block
         for layer, kb, vb in zip(m.layers, self.keys, self.values):
             attn = layer.self_attn
             nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
             x = layer.input_layernorm(h)
+            if conv:
+                x, delta = layer.attention_conv.prepare(x)
             q = attn.q_norm(attn.q_proj(x).view(b, k_blk, nh, hd)).transpose(1, 2)
             q = _rotate(q, cos_q, sin_q)
             kv_in = x if ctx is None else torch.cat([ctx, x], dim=1)  # [b, T + K', H]
@@ -205,13 +211,19 @@ class StaticDFlashDrafter:
                 vr.scatter_(2, sidx.expand_as(v), v)
             out = F.scaled_dot_product_attention(q, kr[:, :, :kv_len], vr[:, :, :kv_len], attn_mask=mask,
                                                  scale=hd ** -0.5, enable_gqa=nh != nkv)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, k_blk, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            a = attn.o_proj(out.transpose(1, 2).reshape(b, k_blk, -1))
+            if conv:
+                h = h + layer.attention_conv.finish(a, delta)
+                x, delta = layer.mlp_conv.prepare(layer.post_attention_layernorm(h))
+                h = h + layer.mlp_conv.finish(layer.mlp(x), delta)
+            else:
+                h = h + a
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = m.norm(h[:, 1:])  # row-wise: the root slot's output is not needed
         head_w = getattr(self.lm_head, "weight", None)
         if isinstance(head_w, torch.Tensor):
             h = h.to(head_w.dtype)
-        return self.lm_head(h).float()
+        return m.transform_logits(self.lm_head(h).float())  # DFlash2: multiplier + softcap (v1: identity)
 
     # ------------------------------------------------------------------ buffers
     def move_row(self, src: int, dst: int, length: int) -> None:
