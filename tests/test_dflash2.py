@@ -309,8 +309,9 @@ def test_transformed_logits_match_reference_over_two_rounds(pair):
 
 @needs_ref
 def test_short_final_block_where_the_reference_fails(pair):
-    """dflash_generate shortens the last block near max_new_tokens; blocks of 2 tokens (< taps - 1)
-    break the reference's conv; ours gives the first slot of the full block's draft (causal)."""
+    """dflash_generate shortens the last block near max_new_tokens. A block of 2 tokens (< taps - 1)
+    breaks the reference's conv; ours drafts it (finite, and not the full block's slot: attention
+    is bidirectional inside the block). At 3 = taps - 1 tokens both run and agree."""
     target, ours, ref = pair
     embed, head = target.model.embed_tokens, target.lm_head
     ids, feats = _round_inputs(target, seed=8)
