@@ -549,3 +549,26 @@ def test_generate_greedy_with_a_dflash2_drafter_equals_plain_decoding(tmp_path, 
     assert rc == 0, err
     want = plain_greedy(gen.target, ids, 40)
     assert out == gen.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_lattice_feeds_the_lattice_tree_builder(pair):
+    """Our SelectorLattice is the layout of draft/lattice.py (issue 28 item 2): its selector_chain
+    on transition_logq walks as selector_walk (greedy, and sampled with the same uniforms), and
+    build_lattice_tree accepts it (validated rows)."""
+    from sglang_tev.draft.lattice import build_lattice_tree, selector_chain
+
+    target, ours, _ = pair
+    ids, feats = _round_inputs(target, seed=13, b=3)
+    root = ids[:, 10]
+    with torch.no_grad():
+        _, lat = ours.draft_lattice(target.model.embed_tokens, target.lm_head, root, 10, feats[:, :10],
+                                    ours.new_cache())
+    u = torch.rand(3, K - 1, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for T in (0.0, 0.9):
+        chain = selector_chain(lat.candidate_ids, lat.transition_logq, root, T, uniforms=u)
+        tokens, _, _ = selector_walk(lat, T, uniforms=u)
+        assert torch.equal(chain.tokens[:, 1:], tokens) and torch.equal(chain.tokens[:, 0], root)
+    tree = build_lattice_tree(lat.candidate_ids, lat.transition_logq, 12, root)
+    assert tree.tokens.shape == (3, 13) and bool(tree.valid.all())
+    # its first node is slot 0's most likely candidate given the root
+    assert torch.equal(tree.tokens[:, 1], lat.candidate_ids[:, 0].gather(1, lat.transition_logq[:, 0, 0].argmax(-1, keepdim=True))[:, 0])
