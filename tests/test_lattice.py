@@ -246,6 +246,7 @@ def test_device_path_compiles_fullgraph_and_makes_no_host_sync():
         ids, lq, B, roots, depth_limit=caps, leaf_tokens=leaves, impl="heap"))
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_the_device_checks_fail_on_the_host_path():
     """The checks are not vacuous: the CPU heap (NumPy, .tolist()) is refused by the compile check,
     the level-wise build with the exact max depth fails the data-dependent-op check, and the

@@ -12,8 +12,10 @@ transition law over them,
 
 Slot 0's predecessor is the root (the anchor / bonus token), not a candidate: its law is the ONE
 row ``trans_logq[:, 0, 0, :]``; the rows ``trans_logq[:, 0, p, :]`` for p >= 1 are ignored (they
-may hold anything, NaN included). This is the layout of SGLang's ``_selector_lattice``, whose
-slot-0 rows are all the anchor's row.
+may hold anything, NaN included). This is the layout of SGLang's ``_selector_lattice``
+(``srt/speculative/dflash_worker_v2.py:237-249``): ``_score_edges`` (``srt/models/dflash.py:1108-1129``)
+expands the anchor over all K predecessor rows of slot 0, and ``sample_path`` (``:1202-1261``)
+reads ``scores[:, 0, 0]`` only.
 
 Three ways to draft from it, all returning the project's :class:`~sglang_tev.tree.DraftTree`, so
 every verifier (TEV, predraw, sequential, greedy) runs on them unchanged:
@@ -44,6 +46,7 @@ device implementation (``impl="levels"``, the default elsewhere) keeps the best 
 
 from __future__ import annotations
 
+import functools
 import heapq
 
 import torch
@@ -159,43 +162,74 @@ def build_lattice_tree(
     return _lattice_levels(candidate_ids, lq, cidx, budget, root_tokens, depth_limit, leaf_tokens)
 
 
+@functools.lru_cache(maxsize=32)
+def _row_starts(rows_n: int, K: int):
+    """Read-only int64 [rows_n, 1]: the flat index of each row's first entry (rows of K entries)."""
+    import numpy as np
+
+    out = np.arange(0, rows_n * K, K)[:, None]
+    out.flags.writeable = False
+    return out
+
+
 def _lattice_heap(candidate_ids, trans_logq, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
     """One heap per tree on the host: pop the best path, push its next sibling (same row, next
-    rank) and its first child (row of the popped node's candidate, rank 0)."""
+    rank) and its first child (row of the popped node's candidate, rank 0). All rows are ranked at
+    once in NumPy (one stable argsort; the token-id tie-break only when some row has an exact
+    tie); the loop reads the ranked log q (float32, exact as Python floats) and candidate indices
+    through memoryviews, without converting the b x D x K x K entries to lists (a tree reads at
+    most 2 * budget of them). Flat index i of an entry: row i // K = (tree * D + slot) * K +
+    parent candidate, rank i % K."""
     import numpy as np
 
     b, D, K = candidate_ids.shape
-    lq = trans_logq.detach().to(torch.float32).cpu().numpy()
-    ids = candidate_ids.detach().cpu().numpy()
-    o = np.lexsort((np.broadcast_to(ids[:, :, None, :], lq.shape), -lq), axis=-1)  # (log q desc, id asc)
-    lq_l = np.take_along_axis(lq, o, -1).astype(np.float64).tolist()
-    o_l, id_l = o.tolist(), ids.tolist()
+    KK = K * K
+    rows_n = b * D * K  # rows (tree, slot, parent candidate), K entries each
+    base = _row_starts(rows_n, K)
+    x = trans_logq.detach().to(torch.float32).cpu().numpy().reshape(rows_n, K)
+    ids = np.ascontiguousarray(candidate_ids.detach().cpu().numpy(), dtype=np.int64).reshape(-1)
+    cand = np.argsort(-x, axis=-1, kind="stable")  # log q desc, ties by candidate index
+    vals = x.reshape(-1)[base + cand]
+    if (vals[:, 1:] == vals[:, :-1]).any():  # exact ties: rank them by token id (sort by id first)
+        oid = np.argsort(ids.reshape(b * D, 1, K), axis=-1, kind="stable")
+        oid = np.broadcast_to(oid, (b * D, K, K)).reshape(rows_n, K)
+        by_id = x.reshape(-1)[base + oid]
+        o = np.argsort(-by_id, axis=-1, kind="stable")
+        vals = by_id.reshape(-1)[base + o]
+        cand = oid.reshape(-1)[base + o]
+    lqs = memoryview(vals.reshape(-1))
+    cix = memoryview(np.ascontiguousarray(cand).reshape(-1))
+    idv = memoryview(ids)
     limits, leaves = _host_options(b, D, depth_limit, leaf_tokens)
     heappop, heappush = heapq.heappop, heapq.heappush
     rows = []
     for r in range(b):
-        lim, leaf, lqr, orr, idr = limits[r], leaves[r], lq_l[r], o_l[r], id_l[r]
+        lim, leaf = limits[r], leaves[r]
         par_l, tok_l, dep_l = [], [], []
         rows.append((par_l, tok_l, dep_l))
         if lim < 1:
             continue
-        # item: (-score, ranks, parent node, depth, rank, score, parent score, parent's candidate)
-        heap = [(-lqr[0][0][0], (0,), 0, 1, 0, lqr[0][0][0], 0.0, 0)]
+        # item: (-score, ranks, parent node, depth, flat entry, score, parent score); slot 0: row 0
+        i0 = r * D * KK
+        s0 = lqs[i0]
+        heap = [(-s0, (0,), 0, 1, i0, s0, 0.0)]
         cnt = 0
         while heap and cnt < budget:
-            _, ranks, par, d, rk, s, ps, pc = heappop(heap)
+            _, ranks, par, d, i, s, ps = heappop(heap)
             cnt += 1
-            c = orr[d - 1][pc][rk]
-            tok = idr[d - 1][c]
+            c = cix[i]
+            q = i // KK  # tree * D + slot
+            tok = idv[q * K + c]
             par_l.append(par)
             tok_l.append(tok)
             dep_l.append(d)
-            if rk + 1 < K:
-                sib = ps + lqr[d - 1][pc][rk + 1]
-                heappush(heap, (-sib, ranks[:-1] + (rk + 1,), par, d, rk + 1, sib, ps, pc))
+            if (i + 1) % K:  # a next sibling in the same row
+                sib = ps + lqs[i + 1]
+                heappush(heap, (-sib, ranks[:-1] + (ranks[-1] + 1,), par, d, i + 1, sib, ps))
             if d < lim and tok not in leaf:
-                ch = s + lqr[d][c][0]
-                heappush(heap, (-ch, ranks + (0,), cnt, d + 1, 0, ch, s, c))
+                i1 = (q + 1) * KK + c * K  # the next slot's row of candidate c, rank 0
+                ch = s + lqs[i1]
+                heappush(heap, (-ch, ranks + (0,), cnt, d + 1, i1, ch, s))
     return _dd._host_tree(rows, budget, root_tokens)
 
 
@@ -321,9 +355,11 @@ def selector_chain(
 
     Slot d picks candidate ``c_d`` from row ``trans_logq[:, d, c_{d-1}, :]`` (slot 0: row 0):
     at T < 1e-5 the argmax (the lowest candidate index among ties, as ``torch.argmax`` in z-lab
-    ``dflash`` 0.1.0 ``CandidateSelector.select``), else a draw from ``softmax(row / T)`` (the
-    same law as upstream's ``softmax(scores / T)``: log_softmax only shifts a row) by inverse CDF
-    over candidate index order, with ``u[:, d]``.
+    ``dflash`` 0.1.0 ``CandidateSelector.select`` and SGLang's ``sample_path``), else a draw from
+    ``softmax(row / T)`` (the same law as upstream's ``softmax(scores / T)``: log_softmax only
+    shifts a row) by inverse CDF over candidate index order with one uniform per slot,
+    ``u[:, d]`` (the first index whose CDF exceeds ``u * total``, as ``sample_path``'s
+    ``(u >= cdf).sum()``, SGLang 0.5.23 ``srt/models/dflash.py:1202-1261``).
 
     Args:
         candidate_ids: int64 [b, D, K]; trans_logq: float [b, D, K, K] (as :func:`build_lattice_tree`).
