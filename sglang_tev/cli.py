@@ -37,6 +37,7 @@ EXIT_SIGPIPE = 128 + 13  # what a shell reports for a tool killed by SIGPIPE (`y
 VERIFIERS = ("tev", "predraw", "sequential", "greedy")
 METHODS = ("autoregressive", "chain", *VERIFIERS)  # = hf.runtime.GENERATION_METHODS (no torch import for --help)
 DTYPES = ("float32", "bfloat16", "float16")
+DRAFT_MODES = ("auto", "lattice", "marginal")  # = hf.runtime.DRAFT_MODES
 # First word of a runtime ValueError message -> the command-line argument it is about.
 _ARG_OF = {
     "target": "--target", "draft": "--draft", "prompt": "PROMPT", "budget": "--budget",
@@ -44,7 +45,8 @@ _ARG_OF = {
     "top_k": "--top-k", "min_p": "--min-p", "block_size": "--block-size", "method": "--method",
     "methods": "--methods", "verifier": "--verifier", "stop_strings": "--stop", "seed": "--seed",
     "budgets": "--budgets", "temperatures": "--temperatures", "prompts": "--dataset", "limit": "--limit",
-    "dataset": "--dataset", "repeats": "--repeats", "output_dir": "--output",
+    "dataset": "--dataset", "repeats": "--repeats", "output_dir": "--output", "draft_mode": "--draft-mode",
+    "draft_modes": "--draft-modes",
 }
 
 
@@ -184,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verifier of the DDTree (and of --method chain) (default tev)")
     g.add_argument("--method", choices=METHODS,
                    help="override: autoregressive, chain, or DDTree + a verifier (default: the --verifier)")
+    g.add_argument("--draft-mode", choices=DRAFT_MODES, default="auto",
+                   help="DFlash2 drafters (issue 28): 'lattice' = DDTree over the selector's candidate lattice "
+                   "(with --method chain: the selector's own greedy / sampled chain), 'marginal' = DDTree over the "
+                   "transformed per-depth marginals (--method chain: per-depth argmax); 'auto' (default) = lattice "
+                   "when the drafter has a candidate selector, else marginal (DFlash v1 accepts marginal only)")
     g.add_argument("--temperature", type=float, default=0.0, help="target temperature; 0 = greedy (default 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="top-p in (0, 1] (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, help="top-k; <= 0 off (default 0)")
@@ -211,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", type=_str_list, default=["autoregressive", "chain", "tev", "predraw", "sequential"],
                    help="comma-separated subset of autoregressive,chain,tev,predraw,sequential,greedy "
                    "(default: all but greedy)")
+    b.add_argument("--draft-modes", type=_str_list, default=["auto"],
+                   help="comma-separated subset of auto,lattice,marginal: chain and the DDTree methods run once per "
+                   "draft mode, side by side (lattice needs a DFlash2 drafter with a selector; default auto)")
     b.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i (default 0)")
     b.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     b.add_argument("--repeats", type=int, default=3,
@@ -507,7 +517,8 @@ def _cmd_generate_batch(args, file_prompts: list) -> int:
         results = gen.generate(
             prompts, method=method, budget=args.budget, sampling=sampling, seed=args.seed,
             max_new_tokens=args.max_new_tokens, stop_strings=args.stop, ignore_eos=args.ignore_eos,
-            block_size=args.block_size, verifier=args.verifier, batch_size=args.batch_size, **_controls(args),
+            block_size=args.block_size, verifier=args.verifier, batch_size=args.batch_size,
+            draft_mode=args.draft_mode, **_controls(args),
         )
     except ValueError as e:
         raise _usage_from(e, "PROMPT") from None
@@ -549,8 +560,15 @@ def cmd_generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     kwargs = dict(method=method, budget=args.budget, sampling=sampling, seed=args.seed,
                   max_new_tokens=args.max_new_tokens, stop_strings=args.stop, ignore_eos=args.ignore_eos,
-                  block_size=args.block_size, verifier=args.verifier, chat_template=not args.no_chat_template)
+                  block_size=args.block_size, verifier=args.verifier, chat_template=not args.no_chat_template,
+                  draft_mode=args.draft_mode)
     extra = f"budget={args.budget}" if method in VERIFIERS else (f"verifier={args.verifier}" if method == "chain" else "")
+    try:
+        mode = gen.resolve_draft_mode(args.draft_mode, method)
+    except ValueError as e:
+        raise _usage_from(e, "--draft-mode") from None
+    if mode is not None and gen.has_selector:  # name the mode where there is a choice (DFlash2)
+        extra = f"{extra}, draft_mode={mode}" if extra else f"draft_mode={mode}"
     extra = f", method={method}" + (f", {extra}" if extra else "")
 
     def write(s: str) -> None:
@@ -596,6 +614,9 @@ def cmd_bench(args, argv: list[str]) -> int:
         raise UsageError("--methods", f"unknown {bad}; choose from {','.join(METHODS)}")
     if "greedy" in args.methods and any(t >= GREEDY_EPS for t in args.temperatures):
         raise UsageError("--methods", "'greedy' is exact only at temperature 0; drop it or use --temperatures 0")
+    if not args.draft_modes or any(m not in DRAFT_MODES for m in args.draft_modes):
+        raise UsageError("--draft-modes", f"give a comma-separated subset of {','.join(DRAFT_MODES)}, got "
+                                          f"{','.join(args.draft_modes) or 'nothing'}")
     if args.batch_sizes is not None and (not args.batch_sizes or any(b < 1 for b in args.batch_sizes)):
         raise UsageError("--batch-sizes", f"must be integers >= 1, got {args.batch_sizes}")
     out = _output_path(args.output, "bench-results")
@@ -610,7 +631,7 @@ def cmd_bench(args, argv: list[str]) -> int:
             gen, prompts, budgets=args.budgets, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
             methods=args.methods, seed=args.seed, output_dir=out, chat_template=not args.no_chat_template,
             ignore_eos=args.ignore_eos, progress=not args.no_progress, repeats=args.repeats,
-            overwrite=args.overwrite, batch_sizes=args.batch_sizes,
+            overwrite=args.overwrite, batch_sizes=args.batch_sizes, draft_modes=args.draft_modes,
             command=shlex.join([PROG, *argv]), meta=meta,
         )
     except ValueError as e:

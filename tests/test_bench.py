@@ -7,6 +7,7 @@ and /1 are 321 and 411 tokens with its tokenizer and chat template). CPU, float3
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +23,8 @@ from sglang_tev.hf.runtime import SpeculativeGenerator
 from tiny_pair import build_pair
 
 MAX_POS = 512
-KEYS = {"method": str, "budget": (int, type(None)), "temperature": float, "prompts": int, "new_tokens": int,
+KEYS = {"method": str, "budget": (int, type(None)), "temperature": float, "draft_mode": (str, type(None)),
+        "prompts": int, "new_tokens": int,
         "rounds": int, "tau": float, "accept_len_mean": float, "coverage_mean": float, "tokens_per_s": float,
         "tokens_per_s_iqr": list, "speedup": (float, type(None)), "speedup_iqr": (list, type(None)),
         "repeats": int, "repeat_spread": float, "stage_ms": dict, "skipped_prompts": int}
@@ -60,6 +62,7 @@ def check_results(out_dir, configs, prompts, skipped):
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and 0 <= r["coverage_mean"]
         assert r["tau"] == pytest.approx(1 + r["accept_len_mean"], abs=1e-9) or r["tau"] < 1 + r["accept_len_mean"]
         assert (r["budget"] is None) == (r["method"] in ("autoregressive", "chain"))
+        assert r["draft_mode"] == (None if r["method"] == "autoregressive" else "marginal")  # v1 drafters: auto
         mine = [o for o in outputs if (o["method"], o["budget"], o["temperature"]) == (r["method"], r["budget"], r["temperature"])]
         emitted = [e for o in mine for e in o["emitted_per_round"]]
         assert r["rounds"] == len(emitted) and r["tau"] == pytest.approx(sum(emitted) / len(emitted))
@@ -111,9 +114,9 @@ def test_bench_cli_jsonl_skips_long_prompts(capsys, tmp_path, pair, jsonl):
     assert "skipping prompt 'prompts.jsonl:3'" in err and "+ 1 > the model's 512 positions" in err
     assert "bench" in err and "30/30" in err  # the tqdm bar: 5 configs x 2 prompts x 3 repeats (default)
     assert all(r["repeats"] == 3 for r in records)
-    assert [h for h in stdout.splitlines()[0].split("  ") if h.strip()] == [
-        "method", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "tok/s IQR", "speedup", "speedup IQR",
-        "repeat spread"]
+    assert re.split(r"\s{2,}", stdout.splitlines()[0].strip()) == [
+        "method", "draft", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "tok/s IQR", "speedup",
+        "speedup IQR", "repeat spread", "draft ms", "build ms"]
     assert len(stdout.strip().splitlines()) == 2 + len(configs)
     assert [o["prompt_id"] for o in outputs[:2]] == ["prompts.jsonl:1", "prompts.jsonl:2"]
     tok = SpeculativeGenerator.from_pretrained(target, None, device="cpu").tokenizer

@@ -2,12 +2,16 @@
 
 For each temperature T (DESIGN §5): ``autoregressive`` once, ``chain`` once (the linear DFlash
 block, verified by TEV), and DDTree verified by ``tev`` / ``predraw`` / ``sequential`` for every
-budget B. Every configuration decodes every prompt with the same seed (``seed + prompt index``)
-through :meth:`SpeculativeGenerator.generate`.
+budget B; ``chain`` and the DDTree methods once per draft mode in ``draft_modes`` (issue 28: a
+DFlash2 drafter's ``lattice`` / ``marginal`` modes side by side; ``auto`` by default, see
+:data:`~sglang_tev.hf.runtime.DRAFT_MODES`). Every configuration decodes every prompt with the
+same seed (``seed + prompt index``) through :meth:`SpeculativeGenerator.generate`.
 
 Files written to ``output_dir``:
 
-* ``results.json`` — one record per (method, budget, T), keys :data:`RECORD_KEYS`:
+* ``results.json`` — one record per (method, budget, T, draft mode), keys :data:`RECORD_KEYS`;
+  ``draft_mode`` is the mode the runs used (``lattice`` / ``marginal``, ``auto`` resolved; null
+  for autoregressive);
   ``tau`` = total emitted tokens / total rounds over all prompts (DESIGN §3: mean(accept_len + 1),
   a round cut by a stop or by max_new_tokens counts what it emitted); ``accept_len_mean`` and
   ``coverage_mean`` (C_p, paper Eq. 6) are means over the same rounds. Speed is robust to a busy
@@ -45,13 +49,13 @@ from typing import Callable, Sequence
 
 from ..sampling import SamplingParams
 from .datasets import Prompt, encode_prompt
-from .runtime import GENERATION_METHODS, MAX_BUDGET, STAGES, SpeculativeGenerator
+from .runtime import DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, STAGES, SpeculativeGenerator
 
 __all__ = ["run_bench", "bench_configs", "format_table", "DEFAULT_METHODS", "RECORD_KEYS", "TREE_METHODS"]
 
 DEFAULT_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential")
 TREE_METHODS = ("tev", "predraw", "sequential", "greedy")  # DDTree + this verifier, one run per budget
-RECORD_KEYS = ("method", "budget", "temperature", "prompts", "new_tokens", "rounds", "tau",
+RECORD_KEYS = ("method", "budget", "temperature", "draft_mode", "prompts", "new_tokens", "rounds", "tau",
                "accept_len_mean", "coverage_mean", "tokens_per_s", "tokens_per_s_iqr", "speedup", "speedup_iqr",
                "repeats", "repeat_spread", "stage_ms", "skipped_prompts")
 GREEDY_EPS = 1e-5
@@ -61,17 +65,41 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_configs(methods: Sequence[str], budgets: Sequence[int], temperatures: Sequence[float]) -> list[tuple[str, int | None, float]]:
+def bench_configs(methods: Sequence[str], budgets: Sequence[int], temperatures: Sequence[float],
+                  draft_modes: Sequence[str] | None = None) -> list[tuple]:
     """(method, budget, temperature) in run order: per T, each method in ``methods`` order; tree
-    methods once per budget, autoregressive and chain once with budget None."""
+    methods once per budget, autoregressive and chain once with budget None. With
+    ``draft_modes``: (method, budget, temperature, draft mode), chain and the tree methods once per
+    mode (each method's modes together), autoregressive once with draft mode None."""
     out = []
     for T in temperatures:
         for m in methods:
-            if m in TREE_METHODS:
-                out.extend((m, b, T) for b in budgets)
+            bs = budgets if m in TREE_METHODS else [None]
+            if draft_modes is None:
+                out.extend((m, b, T) for b in bs)
+            elif m == "autoregressive":
+                out.append((m, None, T, None))
             else:
-                out.append((m, None, T))
+                out.extend((m, b, T, dm) for b in bs for dm in draft_modes)
     return out
+
+
+def _draft_modes(generator, draft_modes) -> list[str]:
+    """The requested draft modes resolved for this generator (``auto`` -> lattice / marginal),
+    deduplicated, in order. ValueError naming ``draft_modes``."""
+    if isinstance(draft_modes, str) or not draft_modes:
+        raise ValueError(f"draft_modes must be a non-empty list of {DRAFT_MODES}, got {draft_modes!r}")
+    out = []
+    for dm in draft_modes:
+        if dm not in DRAFT_MODES:
+            raise ValueError(f"draft_modes: unknown {dm!r}; choose from {list(DRAFT_MODES)}")
+        if generator.drafter is None:
+            continue
+        try:
+            out.append(generator.resolve_draft_mode(dm, "tev"))
+        except ValueError as e:
+            raise ValueError(f"draft_modes: {e}") from None
+    return list(dict.fromkeys(out)) or ["marginal"]
 
 
 def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed, repeats=1):
@@ -144,7 +172,7 @@ def _prompt_rates(runs, times) -> list[float]:
             for res, ts in zip(runs, times)]
 
 
-def _record(method, budget, T, runs, times, skipped) -> dict:
+def _record(method, budget, T, draft_mode, runs, times, skipped) -> dict:
     """``runs``: the first repeat's result per prompt; ``times``: every repeat's decode seconds per prompt."""
     rounds = [r for res in runs for r in res.rounds]
     n_rounds = max(1, len(rounds))
@@ -156,6 +184,7 @@ def _record(method, budget, T, runs, times, skipped) -> dict:
         "method": method,
         "budget": budget,
         "temperature": float(T),
+        "draft_mode": draft_mode,
         "prompts": len(runs),
         "new_tokens": new_tokens,
         "rounds": len(rounds),
@@ -175,41 +204,50 @@ def _record(method, budget, T, runs, times, skipped) -> dict:
 
 def _add_speedups(records: list[dict], rates: dict) -> None:
     """Paired speed-up: per prompt, rate / the autoregressive rate at the same T; median and quartiles."""
-    base = {r["temperature"]: rates[(r["method"], r["budget"], r["temperature"])]
+    base = {r["temperature"]: rates[(r["method"], r["budget"], r["temperature"], r["draft_mode"])]
             for r in records if r["method"] == "autoregressive"}
     for r in records:
         b = base.get(r["temperature"])
         if b is None:
             continue
-        mine = rates[(r["method"], r["budget"], r["temperature"])]
+        mine = rates[(r["method"], r["budget"], r["temperature"], r["draft_mode"])]
         ratios = [x / y for x, y in zip(mine, b) if y > 0]
         if ratios:
             q1, med, q3 = _quartiles(ratios)
             r["speedup"], r["speedup_iqr"] = med, [q1, q3]
 
 
-def _label(method: str, budget: int | None) -> str:
-    return method if budget is None else f"{method} B={budget}"
+def _label(method: str, budget: int | None, draft_mode: str | None = None) -> str:
+    s = method if budget is None else f"{method} B={budget}"
+    return s if draft_mode is None else f"{s} {draft_mode}"
+
+
+def _modes_shown(records) -> bool:
+    """Labels name the draft mode when the records hold more than one."""
+    return len({r.get("draft_mode") for r in records if r.get("draft_mode") is not None}) > 1
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """A plain-text table: method, budget, T, tau, accept_len, coverage, tok/s and speedup (medians
-    over prompts) each with its interquartile range, and the repeats' timing spread."""
-    head = ("method", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "tok/s IQR", "speedup", "speedup IQR",
-            "repeat spread")
+    """A plain-text table: method, draft mode, budget, T, tau, accept_len, coverage, tok/s and
+    speedup (medians over prompts) each with its interquartile range, the repeats' timing spread,
+    and the mean draft and build ms per round."""
+    head = ("method", "draft", "budget", "T", "tau", "accept_len", "coverage", "tok/s", "tok/s IQR", "speedup",
+            "speedup IQR", "repeat spread", "draft ms", "build ms")
     rows = [head]
     for r in records:
         t1, t3 = r["tokens_per_s_iqr"]
         rows.append((
-            r["method"], "-" if r["budget"] is None else str(r["budget"]), f"{r['temperature']:g}",
+            r["method"], r.get("draft_mode") or "-", "-" if r["budget"] is None else str(r["budget"]),
+            f"{r['temperature']:g}",
             f"{r['tau']:.3f}", f"{r['accept_len_mean']:.3f}", f"{r['coverage_mean']:.3f}",
             f"{r['tokens_per_s']:.1f}", f"{t1:.1f}-{t3:.1f}",
             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
             "-" if r["speedup_iqr"] is None else f"{r['speedup_iqr'][0]:.2f}-{r['speedup_iqr'][1]:.2f}x",
             f"{100 * r['repeat_spread']:.0f}%" if r["repeats"] > 1 else "-",
+            f"{r['stage_ms']['draft']:.2f}", f"{r['stage_ms']['build']:.2f}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -220,14 +258,15 @@ def format_table(records: Sequence[dict]) -> str:
 def plot_tau_hist(records: Sequence[dict], emitted: dict, path: str | os.PathLike) -> None:
     """Histogram of tokens emitted per round: one panel per (method, budget), one colour per T.
 
-    ``emitted[(method, budget, T)]`` is the list of per-round emitted counts.
+    ``emitted[(method, budget, T, draft_mode)]`` is the list of per-round emitted counts.
     """
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    panels = list(dict.fromkeys((r["method"], r["budget"]) for r in records))
+    shown = _modes_shown(records)
+    panels = list(dict.fromkeys((r["method"], r["budget"], r.get("draft_mode")) for r in records))
     temps = list(dict.fromkeys(r["temperature"] for r in records))
-    tau = {(r["method"], r["budget"], r["temperature"]): r["tau"] for r in records}
+    tau = {(r["method"], r["budget"], r["temperature"], r.get("draft_mode")): r["tau"] for r in records}
     top = max([max(v) for v in emitted.values() if v] + [1])
     bins = [x - 0.5 for x in range(1, top + 2)]
     ncols = min(4, len(panels))
@@ -236,14 +275,14 @@ def plot_tau_hist(records: Sequence[dict], emitted: dict, path: str | os.PathLik
     axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, (m, b) in zip(axes.flat, panels):
+    for ax, (m, b, dm) in zip(axes.flat, panels):
         for T in temps:
-            xs = emitted.get((m, b, T), [])
+            xs = emitted.get((m, b, T, dm), [])
             if xs:
                 ax.hist(xs, bins=bins, density=True, histtype="step", linewidth=1.5,
-                        label=f"T={T:g}, tau {tau[(m, b, T)]:.2f}")
+                        label=f"T={T:g}, tau {tau[(m, b, T, dm)]:.2f}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(_label(m, b), fontsize=10)
+        ax.set_title(_label(m, b, dm if shown else None), fontsize=10)
         ax.set_xlabel("tokens emitted per round")
         ax.set_ylabel("fraction of rounds")
         ax.legend(fontsize=7)
@@ -267,7 +306,9 @@ def plot_stage_ms(records: Sequence[dict], path: str | os.PathLike) -> None:
             h = [r["stage_ms"][s] for r in rs]
             ax.bar(x, h, bottom=bottom, label=s)
             bottom = [a + b for a, b in zip(bottom, h)]
-        ax.set_xticks(x, [_label(r["method"], r["budget"]) for r in rs], rotation=30, ha="right", fontsize=8)
+        shown = _modes_shown(records)
+        ax.set_xticks(x, [_label(r["method"], r["budget"], r.get("draft_mode") if shown else None) for r in rs],
+                      rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("ms per round")
         ax.set_title(f"Mean stage time per round, T={T:g}")
         ax.legend(fontsize=7, ncols=len(STAGES))
@@ -336,6 +377,7 @@ def run_bench(
     meta: dict | None = None,
     log: Callable[[str], None] = _stderr,
     batch_sizes: Sequence[int] | None = None,
+    draft_modes: Sequence[str] = ("auto",),
 ) -> list[dict]:
     """Run every (method, budget, temperature) configuration over ``prompts``.
 
@@ -365,13 +407,18 @@ def run_bench(
             tokens_per_s (all new tokens / wall seconds of the batched call, prefill included),
             overhead_ms_per_row_round (build + verify + commit per round / rows in it), tau_per_row,
             wall_s}; plot ``batch_tokens_per_s.png``.
+        draft_modes: entries of :data:`~sglang_tev.hf.runtime.DRAFT_MODES`; chain and the tree
+            methods run once per mode (resolved: ``auto`` -> ``lattice`` for a DFlash2 drafter
+            with a selector, else ``marginal``; duplicates run once). ``stage_ms["draft"]`` /
+            ``["build"]`` compare the modes' drafting costs at the same budget.
 
     Returns:
         The records of results.json (keys :data:`RECORD_KEYS`), in run order (:func:`bench_configs`).
         Per-prompt outputs are in ``output_dir/outputs.jsonl``.
 
     Raises:
-        ValueError naming the argument: unknown method, budget < 0 or > MAX_BUDGET, temperature < 0,
+        ValueError naming the argument: unknown method or draft mode, ``lattice`` without a
+        DFlash2 selector, budget < 0 or > MAX_BUDGET, temperature < 0,
         max_new_tokens < 1, repeats < 1, 'greedy' at a temperature > 0, a speculative method without
         a drafter, a non-empty ``output_dir`` without ``overwrite``, or no prompt left after
         skipping. All are raised before anything is written.
@@ -388,27 +435,29 @@ def run_bench(
         batch_sizes = list(dict.fromkeys(batch_sizes))
         if not batch_sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in batch_sizes):
             raise ValueError(f"batch_sizes must be ints >= 1, got {batch_sizes!r}")
+    modes = _draft_modes(generator, draft_modes)
     kept, skipped = _encode_all(generator, prompts, chat_template, log)
     if not kept:
         raise ValueError(f"prompts: none of the {len(prompts)} prompts fits the model's {generator.max_positions} positions")
-    configs = bench_configs(methods, budgets, temperatures)
+    configs = bench_configs(methods, budgets, temperatures, modes)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         settings = {"budgets": budgets, "temperatures": temperatures, "max_new_tokens": max_new_tokens,
                     "methods": methods, "seed": seed, "chat_template": bool(chat_template and getattr(generator.tokenizer, "chat_template", None)), "ignore_eos": ignore_eos,
-                    "repeats": repeats, "prompts": len(kept), "skipped_prompts": skipped}
+                    "repeats": repeats, "prompts": len(kept), "skipped_prompts": skipped, "draft_modes": modes}
         _write_json(out_dir / "meta.json", _meta(generator, command, meta, settings))
 
-    def gen(method, budget, T, ids, s, n):
+    def gen(method, budget, T, dm, ids, s, n):
         return generator.generate(
             ids, method=method, budget=64 if budget is None else budget, sampling=SamplingParams(temperature=T),
-            seed=s, max_new_tokens=n, ignore_eos=ignore_eos, verifier="tev",
+            seed=s, max_new_tokens=n, ignore_eos=ignore_eos, verifier="tev", draft_mode=dm or "auto",
         )
 
     if warmup:
         for m in methods:
             b = budgets[0] if m in TREE_METHODS else None
-            gen(m, b, temperatures[0], kept[0][2], seed, min(4, max_new_tokens))
+            for dm in ([None] if m == "autoregressive" else modes):
+                gen(m, b, temperatures[0], dm, kept[0][2], seed, min(4, max_new_tokens))
 
     records: list[dict] = []
     emitted: dict = {}
@@ -418,32 +467,32 @@ def run_bench(
     bar = tqdm(total=len(configs) * len(kept) * repeats, desc="bench", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
     try:
-        for method, budget, T in configs:
-            bar.set_postfix_str(f"{_label(method, budget)} T={T:g}")
+        for method, budget, T, dm in configs:
+            bar.set_postfix_str(f"{_label(method, budget, dm)} T={T:g}")
             runs, times = [], []
             for i, pid, ids in kept:
-                res = gen(method, budget, T, ids, seed + i, max_new_tokens)
+                res = gen(method, budget, T, dm, ids, seed + i, max_new_tokens)
                 ts = [res.decode_s]
                 bar.update(1)
                 for _ in range(repeats - 1):  # same seed: same tokens; only the clock differs
-                    ts.append(gen(method, budget, T, ids, seed + i, max_new_tokens).decode_s)
+                    ts.append(gen(method, budget, T, dm, ids, seed + i, max_new_tokens).decode_s)
                     bar.update(1)
                 runs.append(res)
                 times.append(ts)
                 if outputs_f is not None:
                     outputs_f.write(json.dumps({
-                        "method": method, "budget": budget, "temperature": T, "prompt_index": i,
+                        "method": method, "budget": budget, "temperature": T, "draft_mode": dm, "prompt_index": i,
                         "prompt_id": pid, "prompt_tokens": len(ids), "new_token_ids": res.token_ids,
                         "text": res.text, "finish_reason": res.finish_reason, "rounds": len(res.rounds),
                         "emitted_per_round": [r.emitted for r in res.rounds],
                         "accept_len_per_round": [r.accept_len for r in res.rounds],
                         "decode_s": statistics.median(ts), "decode_s_repeats": ts, "prefill_s": res.prefill_s,
                     }) + "\n")
-            records.append(_record(method, budget, T, runs, times, skipped))
-            rates[(method, budget, T)] = _prompt_rates(runs, times)
-            emitted[(method, budget, T)] = [r.emitted for res in runs for r in res.rounds]
+            records.append(_record(method, budget, T, dm, runs, times, skipped))
+            rates[(method, budget, T, dm)] = _prompt_rates(runs, times)
+            emitted[(method, budget, T, dm)] = [r.emitted for res in runs for r in res.rounds]
             if batch_sizes:
-                records[-1]["batch"] = [_batched(generator, method, budget, T, kept, seed, max_new_tokens, ignore_eos, bs)
+                records[-1]["batch"] = [_batched(generator, method, budget, T, dm, kept, seed, max_new_tokens, ignore_eos, bs)
                                         for bs in batch_sizes]
     finally:
         bar.close()
@@ -461,7 +510,7 @@ def run_bench(
     return records
 
 
-def _batched(generator, method, budget, T, kept, seed, max_new_tokens, ignore_eos, batch_size) -> dict:
+def _batched(generator, method, budget, T, dm, kept, seed, max_new_tokens, ignore_eos, batch_size) -> dict:
     """All prompts in one batched call at ``batch_size`` rows: throughput over the batch, the
     non-forward overhead per row per round, and each row's tau."""
     import time as _time
@@ -470,7 +519,7 @@ def _batched(generator, method, budget, T, kept, seed, max_new_tokens, ignore_eo
     res = generator.generate(
         [ids for _, _, ids in kept], method=method, budget=64 if budget is None else budget,
         sampling=SamplingParams(temperature=T), seed=[seed + i for i, _, _ in kept], max_new_tokens=max_new_tokens,
-        ignore_eos=ignore_eos, verifier="tev", batch_size=batch_size)
+        ignore_eos=ignore_eos, verifier="tev", batch_size=batch_size, draft_mode=dm or "auto")
     wall = _time.perf_counter() - t0
     toks = sum(len(r.token_ids) for r in res)
     row_rounds = sum(len(r.rounds) for r in res)
@@ -493,7 +542,8 @@ def plot_batch(records: Sequence[dict], path: str | os.PathLike) -> None:
             continue
         xs = [b["batch_size"] for b in r["batch"]]
         ax.plot(xs, [b["tokens_per_s"] for b in r["batch"]], marker="o",
-                label=f"{_label(r['method'], r['budget'])} T={r['temperature']:g}")
+                label=f"{_label(r['method'], r['budget'], r.get('draft_mode') if _modes_shown(records) else None)} "
+                      f"T={r['temperature']:g}")
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s over the batch")
     ax.set_xscale("log", base=2)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..draft.dflash import DFlashDraftModel
+from ..draft.dflash2 import SelectorLattice
 
 __all__ = ["StaticDFlashDrafter"]
 
@@ -145,16 +146,57 @@ class StaticDFlashDrafter:
             vb[rows].scatter_(2, idx.expand_as(v), v)
 
     # ------------------------------------------------------------------ draft
+    @property
+    def has_selector(self) -> bool:
+        """True for a DFlash2 drafter with a candidate selector (``selector_rank`` /
+        ``selector_top_k`` in its config): :meth:`draft_lattice_rows` is available."""
+        return getattr(self.model, "candidate_selector", None) is not None
+
     @torch.inference_mode()
     def draft_rows(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, tokens: torch.Tensor,
                    depth: int, max_root_pos: int) -> torch.Tensor:
         """float32 [b, depth, V]: row j = draft logits of depth j + 1 (see the module docstring);
         for a DFlash2 drafter with its conv in every layer over the block (the block is the whole
-        sequence here) and the logit transform on the full vocabulary (marginal mode: the selector
-        is not used by this runtime yet, issue 28).
+        sequence here) and the logit transform on the full vocabulary (the "marginal" draft mode:
+        the selector is not run).
 
         A context deferred by :meth:`add_context` for the same ``rows`` is projected here, fused
         with the block ([context ; block] rows per layer); one for other rows is written first."""
+        return self._head(self._draft_hidden(rows, roots, root_pos, depth, max_root_pos))
+
+    @torch.inference_mode()
+    def draft_lattice_rows(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, tokens: torch.Tensor,
+                           depth: int, max_root_pos: int) -> SelectorLattice:
+        """The DFlash2 selector's candidate lattice of one round ("lattice" and selector-chain modes).
+
+        Same forward as :meth:`draft_rows` (arguments as there), then the candidate selector on
+        the final-normed hidden states and the transformed logits
+        (:meth:`~sglang_tev.draft.dflash2.CandidateSelector.lattice`, the root as slot 0's
+        predecessor): the same lattice as
+        :meth:`~sglang_tev.draft.dflash.DFlashDraftModel.draft_lattice` on one row.
+
+        Returns:
+            :class:`~sglang_tev.draft.dflash2.SelectorLattice` with ``candidate_ids`` int64
+            [b, depth, k], ``unary_logq`` / ``transition_logq`` float32 ([b, depth, k] /
+            [b, depth, k, k]), k = ``selector_top_k``.
+        Raises:
+            ValueError: the drafter has no candidate selector (DFlash v1).
+        """
+        if not self.has_selector:
+            raise ValueError("draft_mode: this drafter has no candidate selector (DFlash v1); use the marginal mode")
+        hidden = self._draft_hidden(rows, roots, root_pos, depth, max_root_pos)
+        return self.model.candidate_selector.lattice(hidden, self._head(hidden), roots)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Transformed draft logits float32 [b, depth, V] of final-normed hidden states."""
+        head_w = getattr(self.lm_head, "weight", None)
+        if isinstance(head_w, torch.Tensor):
+            h = h.to(head_w.dtype)
+        return self.model.transform_logits(self.lm_head(h).float())  # DFlash2: multiplier + softcap (v1: identity)
+
+    def _draft_hidden(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, depth: int,
+                      max_root_pos: int) -> torch.Tensor:
+        """The block forward: final-normed hidden states [b, depth, H] of slots 1 .. depth."""
         m = self.model
         b, k_blk = roots.shape[0], depth + 1
         dtype = m.fc.weight.dtype
@@ -219,11 +261,7 @@ class StaticDFlashDrafter:
             else:
                 h = h + a
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = m.norm(h[:, 1:])  # row-wise: the root slot's output is not needed
-        head_w = getattr(self.lm_head, "weight", None)
-        if isinstance(head_w, torch.Tensor):
-            h = h.to(head_w.dtype)
-        return m.transform_logits(self.lm_head(h).float())  # DFlash2: multiplier + softcap (v1: identity)
+        return m.norm(h[:, 1:])  # row-wise: the root slot's output is not needed
 
     # ------------------------------------------------------------------ buffers
     def move_row(self, src: int, dst: int, length: int) -> None:

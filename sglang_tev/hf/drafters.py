@@ -33,6 +33,12 @@ class BatchDrafter(Protocol):
         max_rows: largest batch it serves (None = any).
         reads_tokens: optional, default True; False when ``draft_rows`` never reads ``tokens``
             (the runtime then does not keep that buffer up to date).
+        has_selector: optional, default False; True when the drafter also implements
+            ``draft_lattice_rows(rows, roots, root_pos, tokens, depth, max_root_pos) ->
+            SelectorLattice`` (a DFlash2 candidate lattice: ``candidate_ids`` int64 [b, depth, k],
+            ``transition_logq`` float [b, depth, k, k]); the runtime's ``draft_mode="lattice"``
+            calls it instead of ``draft_rows``
+            (:class:`~sglang_tev.hf.dflash_runner.StaticDFlashDrafter` for DFlash2 checkpoints).
     """
 
     block_size: int

@@ -1,8 +1,10 @@
 """One decoding round of the transformers runtime, for every active row at once (DESIGN §1, §3,
 §5), as functions of one :class:`BatchState` (``srt/round.py`` does the same in SGLang's layouts)::
 
-    draft           drafter(context, roots) -> per-depth draft logits [b, K - 1, V]
-    build           DDTree (or the argmax chain, or the root alone) -> DraftTree [b, N = 1 + B]
+    draft           drafter(context, roots) -> per-depth draft logits [b, K - 1, V], or (DFlash2,
+                    draft mode "lattice") the selector's candidate lattice [b, K - 1, k(, k)]
+    build           DDTree over the marginals or over the lattice (or the argmax / selector chain,
+                    or the root alone) -> DraftTree [b, N = 1 + B]
     forward_inputs  per-row tree masks (attention windows per layer type), positions
                     past_len + depth (never >= the model's max positions, padded nodes included),
                     cache slots; part of the build stage
@@ -28,6 +30,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..draft.ddtree import build_ddtree
+from ..draft.dflash2 import SelectorLattice
+from ..draft.lattice import build_lattice_tree, selector_chain
 from ..native import native
 from ..sampling import SamplingParams
 from ..tree import DraftTree
@@ -57,6 +61,9 @@ class BatchState:
 
     The call:
         method: a ``GENERATION_METHODS`` entry; verifier: the verify method; budget: B;
+        draft_mode: ``"marginal"`` (per-depth draft logits: DDTree / argmax chain) or
+        ``"lattice"`` (a DFlash2 selector lattice: lattice DDTree / the selector's chain), resolved
+        by the generator (see ``SpeculativeGenerator.generate``);
         block_size: K (None: autoregressive); n_nodes: N, the tree width of every round;
         static: fixed forward shapes (the attention reads the whole cache); time_stages: sync the
         device after each stage; stream: ``fn(request index, ids)`` or None; tokenizer: for stop
@@ -101,6 +108,7 @@ class BatchState:
     sampling: SamplingParams | None = None
     first: bool = True
     round_no: int = 0
+    draft_mode: str = "marginal"
 
     @property
     def speculative(self) -> bool:
@@ -135,9 +143,9 @@ def run_round(state: BatchState) -> list[int]:
     roots = to_device([r.ids[-1] for r in rows], torch.int64, state.device)
     depth_cap = [row_depth_cap(state, r) for r in rows]
 
-    draft_logits = draft(state, sl, roots, lens, depth_cap)
+    drafted = draft(state, sl, roots, lens, depth_cap)
     lap("draft")
-    tree = build(state, draft_logits, roots, depth_cap)
+    tree = build(state, drafted, roots, depth_cap)
     inputs = forward_inputs(state, sl, tree, lens)
     lap("build")
     logits, feats = tree_forward(state, tree, inputs)
@@ -173,8 +181,11 @@ def flush_context(state: BatchState) -> None:
         state.pending_context = None
 
 
-def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> torch.Tensor | None:
-    """Per-depth draft logits [b, K - 1, V], or None when no row may draft.
+def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> torch.Tensor | SelectorLattice | None:
+    """Per-depth draft logits float32 [b, K - 1, V] (draft mode "marginal"), the DFlash2 selector's
+    :class:`~sglang_tev.draft.dflash2.SelectorLattice` over the K - 1 slots (draft mode "lattice":
+    ``candidate_ids`` [b, K - 1, k], ``transition_logq`` [b, K - 1, k, k]), or None when no row
+    may draft.
 
     Always the full block: attention inside a DFlash block is bidirectional, so a shorter block
     would change every depth's logits; with the full block a row's drafts do not depend on its
@@ -183,22 +194,48 @@ def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> to
     flush_context(state)
     if max(depth_cap) <= 0:
         return None
-    return state.drafter.draft_rows(sl, roots, lens, state.tokens[sl], state.block_size - 1,
-                                    max(r.past_len for r in state.rows))
+    fn = state.drafter.draft_lattice_rows if state.draft_mode == "lattice" else state.drafter.draft_rows
+    return fn(sl, roots, lens, state.tokens[sl], state.block_size - 1, max(r.past_len for r in state.rows))
 
 
 # ---------------------------------------------------------------------- build
-def build(state: BatchState, draft_logits, roots, depth_cap: list[int]) -> DraftTree:
-    """The round's trees: DDTree (depth capped per row, stop tokens kept as leaves), the
-    argmax chain, or the root alone."""
-    if draft_logits is None:
+def build(state: BatchState, drafted, roots, depth_cap: list[int]) -> DraftTree:
+    """The round's trees, depth capped per row, stop tokens kept as leaves: from draft logits
+    DDTree (``build_ddtree``) or the per-depth argmax chain; from a selector lattice the lattice
+    DDTree (``build_lattice_tree``: a node's children scored by the transition row of its own
+    candidate) or the selector's chain (``selector_chain``: greedy for greedy rows, sampled at the
+    row's temperature with uniforms from the row's generator otherwise); or the root alone."""
+    if drafted is None:
         return root_only_tree(roots)
     leaf = leaf_tokens([r.stops for r in state.rows], state.device)
-    if state.method == "chain":
-        return build_chain(draft_logits, roots, depth_cap, leaf, state.n_nodes)
     # no limit when every row may use the whole block (the common case: no tensor to make)
     cap_t = None if min(depth_cap) >= state.block_size - 1 else to_device(depth_cap, torch.int64, state.device)
-    return build_ddtree(draft_logits, state.budget, roots, validate=state.first, depth_limit=cap_t, leaf_tokens=leaf)
+    if isinstance(drafted, SelectorLattice):
+        ids, trans = drafted.candidate_ids, drafted.transition_logq
+        if state.method == "chain":
+            temperature, uniforms = _chain_draws(state, ids.shape[1])
+            return selector_chain(ids, trans, roots, temperature, validate=state.first, uniforms=uniforms,
+                                  depth_limit=cap_t, leaf_tokens=leaf)
+        return build_lattice_tree(ids, trans, state.budget, roots, validate=state.first, depth_limit=cap_t,
+                                  leaf_tokens=leaf)
+    if state.method == "chain":
+        return build_chain(drafted, roots, depth_cap, leaf, state.n_nodes)
+    return build_ddtree(drafted, state.budget, roots, validate=state.first, depth_limit=cap_t, leaf_tokens=leaf)
+
+
+def _chain_draws(state: BatchState, slots: int):
+    """The selector chain's temperature (the rows' target temperatures, 0 for greedy rows: a
+    Python float when all rows share it, else float64 [b]) and its uniforms float64 [b, slots]
+    (each sampled row draws them from its own generator, before the verifier's; greedy rows draw
+    nothing and read zeros), or None when every row is greedy."""
+    temperature = row_sampling(state).temperature
+    if all(r.greedy for r in state.rows):
+        return 0.0, None
+    u = torch.zeros(len(state.rows), slots, dtype=torch.float64, device=state.device)
+    for i, r in enumerate(state.rows):
+        if not r.greedy:
+            u[i] = torch.rand(slots, dtype=torch.float64, device=state.device, generator=r.generator)
+    return temperature, u
 
 
 def build_chain(draft_logits: torch.Tensor, roots: torch.Tensor, depth_cap: list[int], leaf: torch.Tensor | None,

@@ -41,12 +41,23 @@ from .stops import stop_token_set
 from .target import TargetModel
 
 __all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "Request", "Controls",
-           "GENERATION_METHODS", "STAGES", "MAX_BUDGET", "NonFiniteLogitsError"]
+           "GENERATION_METHODS", "DRAFT_MODES", "STAGES", "MAX_BUDGET", "NonFiniteLogitsError"]
 
 GENERATION_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential", "greedy")
 """``autoregressive``: plain decoding (a root-only tree per step); ``chain``: the linear DFlash
 block (per-depth argmax, parents[i] = i - 1) checked by ``verifier``; the rest: DDTree verified by
 that method."""
+
+DRAFT_MODES = ("auto", "lattice", "marginal")
+"""How a round reads its draft (issue 28). ``marginal``: per-depth draft logits (a DFlash2
+drafter's transformed marginals, its selector not run) into DDTree, or the per-depth argmax chain
+for ``method="chain"``. ``lattice`` (DFlash2 drafters with a candidate selector only): the
+selector's candidate lattice into the lattice DDTree (``draft/lattice.build_lattice_tree``: a
+node's children are the next slot's candidates scored by the transition row of the node's own
+candidate), or, for ``method="chain"``, DFlash2's own chain (``selector_chain``: the selector's
+greedy walk at T = 0, its sampled walk at the row's temperature otherwise; a depth-(K-1) draft
+tree verified like any other). ``auto``: ``lattice`` for a drafter with a selector, else
+``marginal``."""
 
 MAX_BUDGET = 1024
 """Largest DDTree budget the runtime accepts (the largest the DDTree reference benchmarks): the
@@ -287,6 +298,7 @@ class SpeculativeGenerator:
         chat_template: bool = True,
         stream: Callable | None = None,
         batch_size: int | None = None,
+        draft_mode: str = "auto",
         repetition_penalty: float = 1.0,
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
@@ -314,6 +326,10 @@ class SpeculativeGenerator:
                 several: called as ``stream(prompt_index, ids)``.
             batch_size: rows decoded together (default: all prompts); waiting prompts fill the
                 slots of finished rows.
+            draft_mode: one of :data:`DRAFT_MODES` (default ``"auto"``: the selector lattice for a
+                DFlash2 drafter with a candidate selector, the per-depth marginals otherwise).
+                With ``method="chain"``: ``lattice`` = DFlash2's selector chain, ``marginal`` = the
+                per-depth argmax chain. Ignored by ``autoregressive``.
             repetition_penalty, frequency_penalty, presence_penalty, logit_bias,
             logits_processor: generation controls applied at every tree node with its own prefix
                 (:mod:`sglang_tev.hf.controls`), so the output law is plain decoding's with them.
@@ -323,7 +339,8 @@ class SpeculativeGenerator:
             one prompt, ``self.committed`` / ``self.past_len`` / ``self.cache`` row 0 describe it.
 
         Raises:
-            ValueError naming the argument: unknown method or verifier, budget out of range,
+            ValueError naming the argument: unknown method, verifier or draft_mode, ``draft_mode=
+            "lattice"`` with a drafter that has no candidate selector, budget out of range,
             max_new_tokens < 1, an empty prompt or one longer than the position limit, block_size
             out of range, a speculative method without a drafter, invalid sampling values or
             controls, per-prompt lists of the wrong length, batch_size < 1.
@@ -358,7 +375,8 @@ class SpeculativeGenerator:
         if stream is not None and not many:
             wrapped = lambda _i, ids: stream(ids)  # noqa: E731
         results = self.generate_batch(reqs, method=method, budget=budget, block_size=block_size, verifier=verifier,
-                                      chat_template=chat_template, stream=wrapped, batch_size=batch_size)
+                                      chat_template=chat_template, stream=wrapped, batch_size=batch_size,
+                                      draft_mode=draft_mode)
         return results if many else results[0]
 
     @_one_call_at_a_time
@@ -375,12 +393,14 @@ class SpeculativeGenerator:
         chat_template: bool = True,
         stream: Callable[[int, list[int]], None] | None = None,
         batch_size: int | None = None,
+        draft_mode: str = "auto",
     ) -> list[GenerationResult]:
         """Decode several :class:`Request` s, each with its own settings, ``batch_size`` rows at a
         time; results in input order. Arguments and errors as :meth:`generate`."""
         if not requests:
             raise ValueError("requests: at least one Request is needed")
         K, vmethod = self._check_call(method, budget, block_size, verifier, requests, batch_size)
+        mode = self.resolve_draft_mode(draft_mode, method)
         rows = self._prepare(requests, chat_template, vmethod)
         cap = min(len(rows), batch_size or len(rows))
         if self.drafter is not None and getattr(self.drafter, "max_rows", None) is not None:
@@ -389,11 +409,36 @@ class SpeculativeGenerator:
                                  f"serves one sequence at a time; use batch_size=1 or a BatchDrafter")
         Scheduler(self._target, self.drafter, self._buffers, rows, cap, method, vmethod, budget, K, stream,
                   tokenizer=self.tokenizer, static=self.static_shapes or self.cuda_graphs,
-                  time_stages=self.time_stages).run()
+                  time_stages=self.time_stages, draft_mode=mode).run()
         self._finish(rows, single=len(rows) == 1)
         return [r.result for r in rows]
 
     # ------------------------------------------------------------------ argument checks
+    @property
+    def has_selector(self) -> bool:
+        """The drafter has a DFlash2 candidate selector (``draft_mode="lattice"`` is available)."""
+        return bool(getattr(self.drafter, "has_selector", False)) and hasattr(self.drafter, "draft_lattice_rows")
+
+    def resolve_draft_mode(self, draft_mode: str = "auto", method: str = "tev") -> str | None:
+        """The draft mode a call with these arguments runs: ``"lattice"`` or ``"marginal"``, None
+        for ``autoregressive`` (no draft).
+
+        Raises:
+            ValueError naming ``draft_mode``: not one of :data:`DRAFT_MODES`, or ``"lattice"``
+            with a drafter that has no candidate selector (DFlash v1, custom drafters).
+        """
+        if draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
+        if draft_mode == "lattice" and not self.has_selector:
+            raise ValueError("draft_mode 'lattice' (the selector lattice tree, or the selector chain with method "
+                             "'chain') needs a DFlash2 drafter with a candidate selector (config selector_rank / "
+                             "selector_top_k); this drafter has none: use draft_mode 'marginal' or 'auto'")
+        if method == "autoregressive":
+            return None
+        if draft_mode == "auto":
+            return "lattice" if self.has_selector else "marginal"
+        return draft_mode
+
     def _check_call(self, method, budget, block_size, verifier, requests, batch_size):
         if method not in GENERATION_METHODS:
             raise ValueError(f"method must be one of {GENERATION_METHODS}, got {method!r}")

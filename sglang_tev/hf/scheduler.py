@@ -91,11 +91,13 @@ class Scheduler:
         stream: ``fn(request index, ids)`` or None.
         tokenizer: for stop strings (or None).
         static: fixed shapes for every tree forward; time_stages: sync after each stage (CUDA).
+        draft_mode: ``"marginal"`` or ``"lattice"`` (resolved by the generator; None or anything
+            else for autoregressive calls reads as marginal).
     """
 
     def __init__(self, target: TargetModel, drafter, buffers: DecodeBuffers, rows: list[Row], cap: int, method: str,
                  verifier: str, budget: int, block_size: int | None, stream, *, tokenizer, static: bool,
-                 time_stages: bool) -> None:
+                 time_stages: bool, draft_mode: str | None = "marginal") -> None:
         self.target, self.drafter = target, drafter
         dev = target.device
         speculative = method != "autoregressive"
@@ -117,6 +119,7 @@ class Scheduler:
             need_tokens=(speculative and getattr(drafter, "reads_tokens", True)) or controls.active,
             cache=buffers.cache, tokens=tokens, controls=controls, kept_mask=KeptTreeMask(cap, max_len, target.float_dtype, dev),
             static_slots=buffers.static_slots, slot_ids=torch.arange(max_len + n_nodes, device=dev),  # slot / position ids, sliced
+            draft_mode="lattice" if speculative and draft_mode == "lattice" else "marginal",
         )
         self.state.graphs = buffers.graphed(functools.partial(eager_tree_forward, self.state))
 
