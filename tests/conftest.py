@@ -23,6 +23,7 @@ ENGINE_MODULES = {
     "test_sglang_cpu_harness",
     "test_sglang_overlap",
     "test_sglang_tp",
+    "test_sglang_dflash2_engine",
 }
 SLOW_MODULES = ENGINE_MODULES | {
     # each over ~25 s on the 2-core VM (full suite, 2026-12-02): subprocess SGLang imports, the

@@ -20,23 +20,19 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from .config import resolve_server_args
 
-__all__ = ["TevAlgo", "read_draft_block_size"]
+__all__ = ["TevAlgo", "read_draft_block_size", "check_draft_features"]
 
 logger = logging.getLogger(__name__)
 
 
-def read_draft_block_size(sa) -> Optional[int]:
-    """The drafter config's block size (``block_size`` or ``dflash_config.block_size``), or None.
-
-    Reads ``--speculative-draft-model-path`` with SGLang's own config loader and DFlash parser.
-    """
+def _draft_hf_config(sa):
+    """The drafter's HF config via SGLang's own loader, or None (logged) when it cannot be read."""
     import json
 
-    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     try:
-        hf_config = get_config(
+        return get_config(
             sa.speculative_draft_model_path,
             trust_remote_code=sa.trust_remote_code,
             revision=sa.speculative_draft_model_revision,
@@ -45,7 +41,35 @@ def read_draft_block_size(sa) -> Optional[int]:
     except Exception as e:  # no network, missing path: ask for the flag instead
         logger.warning("TEV: could not read the drafter config at %s: %s", sa.speculative_draft_model_path, e)
         return None
+
+
+def read_draft_block_size(sa) -> Optional[int]:
+    """The drafter config's block size (``block_size`` or ``dflash_config.block_size``), or None.
+
+    Reads ``--speculative-draft-model-path`` with SGLang's own config loader and DFlash parser.
+    """
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+    hf_config = _draft_hf_config(sa)
+    if hf_config is None:
+        return None
     return parse_dflash_draft_config(draft_hf_config=hf_config).resolve_block_size(default=None)
+
+
+def check_draft_features(sa) -> None:
+    """Refuse, before any model loads, a drafter with a DFlash-family feature TEV does not serve
+    (``dflash2.check_draft_config``: a LiLiCorr head, a Domino projector,
+    ``SGLANG_TEV_DFLASH2_MODE=lattice`` without a selector). An unreadable config is left to the
+    worker, which checks the loaded model the same way (``dflash2.resolve_draft_serving``).
+
+    Raises:
+        ValueError naming the feature.
+    """
+    from .dflash2 import check_draft_config
+
+    hf_config = _draft_hf_config(sa)
+    if hf_config is not None:
+        check_draft_config(hf_config)
 
 
 class TevAlgo(CustomSpecAlgo):
@@ -97,7 +121,9 @@ class TevAlgo(CustomSpecAlgo):
 
     # ---- server args
     def handle_server_args(self, server_args) -> None:
-        """Resolve TEV's settings with plain writes on SGLang's stand-in (see ``config``)."""
+        """Refuse a drafter feature TEV does not serve (:func:`check_draft_features`), then resolve
+        TEV's settings with plain writes on SGLang's stand-in (see ``config``)."""
+        check_draft_features(server_args)
         settings = resolve_server_args(server_args, read_draft_block_size=read_draft_block_size)
         logger.info(
             "TEV: tree size N=%d (budget %d), block size %d, max depth %d, top-k %d, verifier %s",

@@ -8,6 +8,8 @@ rides on existing fields (``../shared/notes/sglang-0.5.23-internals.md`` §1.5):
     --speculative-num-steps         D           max tree depth (default K - 1; 1 <= D <= K - 1)
     SGLANG_TEV_VERIFIER             tev | predraw | sequential   (default tev)
     SGLANG_TEV_TOPK                 k           per-depth list width of DDTree (default B)
+    SGLANG_TEV_DFLASH2_MODE         lattice | marginal   DFlash2 drafters only (default: lattice
+                                                when the checkpoint has a selector; ``srt/dflash2.py``)
 
 This module does not import sglang: :func:`resolve_server_args` works on any object with the
 ``ServerArgs`` attribute names, in particular the ``_ForeignDefaults`` stand-in SGLang hands to a
@@ -35,6 +37,8 @@ __all__ = [
     "MAX_TREE_SIZE",
     "DEFAULT_TREE_SIZE",
     "read_env",
+    "DFLASH2_MODES",
+    "read_dflash2_mode",
     "validate_server_args",
     "resolve_server_args",
     "settings_from_server_args",
@@ -93,6 +97,11 @@ DEFAULT_TREE_SIZE = 65
 
 ENV_VERIFIER = "SGLANG_TEV_VERIFIER"
 ENV_TOPK = "SGLANG_TEV_TOPK"
+ENV_DFLASH2_MODE = "SGLANG_TEV_DFLASH2_MODE"
+
+DFLASH2_MODES = ("lattice", "marginal")
+"""Draft modes of a DFlash2 drafter (``SGLANG_TEV_DFLASH2_MODE``): the selector lattice into a
+lattice tree, or the transformed full-vocabulary marginals into DDTree (selector ignored)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,25 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> tuple[str, Optional
     return verifier, topk
 
 
+def read_dflash2_mode(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Read ``SGLANG_TEV_DFLASH2_MODE``.
+
+    Returns:
+        One of :data:`DFLASH2_MODES`, or None when unset or empty (the drafter decides:
+        ``srt/dflash2.resolve_draft_serving``).
+    Raises:
+        ValueError naming the variable for any other value.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_DFLASH2_MODE, "")
+    mode = raw.strip().lower()
+    if not mode:
+        return None
+    if mode not in DFLASH2_MODES:
+        raise ValueError(f"TEV: {ENV_DFLASH2_MODE} must be one of {DFLASH2_MODES}, got {raw!r}")
+    return mode
+
+
 def _backends(sa) -> tuple[Optional[str], Optional[str]]:
     """(prefill, decode) attention backends, split fields falling back to ``attention_backend``."""
     base = getattr(sa, "attention_backend", None)
@@ -190,7 +218,9 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
     stand-in SGLang passes; reads only.
 
     Raises:
-        ValueError naming the flag or variable: a bad ``SGLANG_TEV_*`` value; a device other than
+        ValueError naming the flag or variable: a bad ``SGLANG_TEV_*`` value (``SGLANG_TEV_DFLASH2_MODE``
+        included; the drafter's DFlash2 features are checked when the worker loads it,
+        ``srt/dflash2.resolve_draft_serving``); a device other than
         ``cuda`` / ``cpu``; ``--device cpu`` without ``SGLANG_USE_CPU_ENGINE=1``; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
         a tree size N outside [2, 1024]; an explicitly chosen attention backend (target prefill /
         decode or draft) that the device does not pair with in :data:`SUPPORTED_DEVICE_BACKENDS`
@@ -205,6 +235,7 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
         ``--lora-paths``). Per-request options are checked at admission (``admission``).
     """
     read_env(environ)
+    read_dflash2_mode(environ)
     device_kind = _device_kind(sa)
     if int(getattr(sa, "pp_size", 1) or 1) != 1:
         raise ValueError(f"TEV: --pp-size must be 1, got {sa.pp_size}")

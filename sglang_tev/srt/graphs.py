@@ -266,7 +266,11 @@ def build_tev_draft_head(worker) -> Optional[TevDraftHead]:
 
     Returns None (the head stays eager, as DFLASH's) when ``SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1``,
     the target has no LM head, or the head is neither dense nor a quantised head SGLang's own
-    logits path runs under graphs (the same gate as DFLASH's, ``:904-911``).
+    logits path runs under graphs (the same gate as DFLASH's, ``:904-911``); and for a DFlash2
+    drafter in lattice mode (``worker._tev_draft.mode == "lattice"``): its lattice head and tree
+    run eagerly after the draft graph's replay (``TEVWorker._draft_lattice``), SGLang's selector
+    walk (``_SelectorDraftSampler``) is never folded. A DFlash2 drafter in marginal mode folds
+    this head with the checkpoint's logit transform (``dflash2.transformed_candidate_topk``).
     """
     from sglang.srt.environ import envs
     from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
@@ -281,6 +285,9 @@ def build_tev_draft_head(worker) -> Optional[TevDraftHead]:
 
     if envs.SGLANG_DFLASH_EAGER_DRAFT_SAMPLER.get():
         return eager("SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1")
+    serving = getattr(worker, "_tev_draft", None)
+    if serving is not None and serving.mode == "lattice":
+        return eager("DFlash2 lattice mode: the selector lattice and its tree run after the draft graph's replay")
     lm_head = unwrap_lora_layer(getattr(worker.target_worker.model_runner.model, "lm_head", None))
     if lm_head is None:
         return eager("no target lm_head")
@@ -292,10 +299,17 @@ def build_tev_draft_head(worker) -> Optional[TevDraftHead]:
     max_bs = max(get_exec().graph.cuda_graph_config.decode.bs)
     if get_parallel().tp_rank == 0:
         logger.info(
-            "TEV draft head (per-depth top-%d + log-sum-exp) folded into the draft cuda graph (max_bs=%d).",
+            "TEV draft head (per-depth top-%d + log-sum-exp%s) folded into the draft cuda graph (max_bs=%d).",
             worker.tev.topk,
+            ", DFlash2 logit transform" if serving is not None and serving.transformed else "",
             max_bs,
         )
+    topk_fn = None
+    if serving is not None and serving.transformed:
+        from sglang.srt.models.dflash import candidate_topk
+
+        topk_fn = serving.marginal_topk_fn(candidate_topk)
     return TevDraftHead(
-        lm_head=lm_head, block_size=worker.block_size, topk=worker.tev.topk, max_bs=max_bs, device=worker.device
+        lm_head=lm_head, block_size=worker.block_size, topk=worker.tev.topk, max_bs=max_bs, device=worker.device,
+        topk_fn=topk_fn,
     )

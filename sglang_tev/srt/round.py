@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..draft.ddtree import build_ddtree_topk
+from ..draft.lattice import build_lattice_tree
 from ..sampling import GREEDY_EPS, SamplingParams
 from ..tree import DraftTree
 from ..verify import VerifyOutput, num_uniforms, verify_tree
@@ -33,6 +34,7 @@ __all__ = [
     "TOP_K_ALL",
     "TreeVerifyLayout",
     "build_trees",
+    "build_lattice_trees",
     "request_depth_caps",
     "tree_custom_mask",
     "tree_retrieve_arrays",
@@ -90,6 +92,43 @@ def build_trees(
     return build_ddtree_topk(
         topk_logprobs[:, :max_depth], topk_ids[:, :max_depth].to(torch.int64), budget, root_tokens, validate=False,
         depth_limit=depth_cap,
+    )
+
+
+def build_lattice_trees(
+    candidate_ids: torch.Tensor,
+    trans_logq: torch.Tensor,
+    budget: int,
+    root_tokens: torch.Tensor,
+    max_depth: int,
+    depth_cap: Optional[torch.Tensor] = None,
+) -> DraftTree:
+    """Batched DDTree over DFlash2 selector lattices (parent-dependent child lists), capped as
+    :func:`build_trees`.
+
+    Args:
+        candidate_ids: int64 [bs, K - 1, k], slot j's candidates (depth j + 1), distinct per slot
+            (the top-k of SGLang's ``compute_candidates``).
+        trans_logq: float [bs, K - 1, k, k], ``log_softmax`` of SGLang's lattice scores over the
+            last dim (``srt/dflash2.selector_lattice_from_hidden``); slot 0 reads row 0 only.
+        budget, root_tokens, max_depth, depth_cap: as :func:`build_trees`.
+    Returns:
+        :class:`DraftTree` with N = B + 1 nodes (``draft.lattice.build_lattice_tree`` without
+        validation: the host heap on CPU, the level-wise search with no host sync elsewhere).
+    Raises:
+        ValueError naming ``max_depth`` when outside [1, K - 1], ``depth_cap`` when not int64 [bs].
+    """
+    if not 1 <= max_depth <= candidate_ids.shape[1]:
+        raise ValueError(f"max_depth must be in [1, {candidate_ids.shape[1]}], got {max_depth}")
+    bs = candidate_ids.shape[0]
+    if depth_cap is None:
+        depth_cap = torch.full((bs,), max_depth, dtype=torch.int64, device=candidate_ids.device)
+    elif not isinstance(depth_cap, torch.Tensor) or depth_cap.dtype != torch.int64 or tuple(depth_cap.shape) != (bs,):
+        raise ValueError(f"depth_cap must be an int64 tensor [{bs}], got {getattr(depth_cap, 'shape', depth_cap)!r}")
+    depth_cap = depth_cap.to(candidate_ids.device).clamp(0, max_depth)
+    return build_lattice_tree(
+        candidate_ids[:, :max_depth].to(torch.int64), trans_logq[:, :max_depth], budget, root_tokens.to(torch.int64),
+        validate=False, depth_limit=depth_cap,
     )
 
 

@@ -42,7 +42,7 @@ from sglang.srt.models.dflash import candidate_topk
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments, parse_dflash_draft_config
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -51,11 +51,13 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from ..verify import num_uniforms
 from .config import settings_from_server_args
+from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .kv_headroom import check_row_headroom
 from .penalties import apply_tree_penalties, count_accepted
 from .round import (
     adopt_rank0_decision,
+    build_lattice_trees,
     build_trees,
     commit_outputs,
     compact_rows,
@@ -182,13 +184,25 @@ class TEVWorker(DFlashWorkerV2):
         # identical seeds on every TP rank, so ranks draw identical uniforms
         self._tev_generator = torch.Generator(device=self.device)
         self._tev_generator.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
+        # every DFlash2 feature of the checkpoint is served or refused here, before any graph capture
+        self._tev_draft: DraftServing = resolve_draft_serving(
+            self.draft_model, parse_dflash_draft_config(draft_hf_config=self.draft_model_runner.model_config.hf_config)
+        )
+        if self._tev_draft.mode == "lattice":
+            # compute_candidates reads the target head from the draft model (SGLang attaches it the
+            # same way, dflash_worker_v2.py:911 and :1484-1485)
+            self.draft_model.lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
         if get_parallel().tp_rank == 0:
             logger.info("TEV worker: %s", self.tev)
+            if not self._tev_draft.plain:
+                logger.info("TEV DFlash2 drafter: %s", self._tev_draft.describe())
 
     def _maybe_build_draft_sampler(self):
         """TEV's head in DFLASH's draft-graph slot (``dflash_worker_v2.py:884-998``, called by
         ``init_cuda_graphs`` before the draft runner captures): per-depth top-k + log-sum-exp into
-        static buffers (``graphs.TevDraftHead``); None keeps it eager."""
+        static buffers (``graphs.TevDraftHead``, with the DFlash2 transform in marginal mode); None
+        keeps it eager. A DFlash2 drafter in lattice mode keeps its head eager (the draft forward,
+        conv included, still replays in the draft graph): SGLang's selector walk is never folded."""
         return build_tev_draft_head(self)
 
     def _validate_phase1_sampling_support(self, batch) -> None:
@@ -209,14 +223,45 @@ class TEVWorker(DFlashWorkerV2):
 
         When the draft runner replayed its CUDA graph (``out.can_run_graph``), the top-k were
         computed inside it by the folded head (``graphs.TevDraftHead``, static buffers); otherwise
-        the same function runs eagerly on the forward's hidden states."""
+        the same function runs eagerly on the forward's hidden states. A DFlash2 drafter with a
+        non-neutral transform gets its full-vocabulary logits transformed first
+        (``dflash2.transformed_candidate_topk``, marginal mode)."""
+        target_model = self.target_worker.model_runner.model
+        lm_head = unwrap_lora_layer(target_model.lm_head)
+        serving = getattr(self, "_tev_draft", None)
+        topk_fn = candidate_topk if serving is None else serving.marginal_topk_fn(candidate_topk)
+
+        def head_fn(draft_out, bs):
+            head = getattr(self, "_draft_sampler", None)
+            if isinstance(head, TevDraftHead) and getattr(draft_out, "can_run_graph", False):
+                return head.read(bs)  # computed inside the replayed draft graph
+            hidden = draft_out.logits_output.hidden_states
+            return draft_topk_from_hidden(hidden, self.block_size, lm_head, self.tev.topk, topk_fn=topk_fn)
+
+        return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
+
+    def _draft_lattice(self, batch, draft_input, seq_lens_cpu, seq_lens_sum):
+        """Draft block forward (SGLang's DFlash2 model: conv included) -> the selector lattice
+        (candidate_ids int64 [bs, K-1, k], trans_logq float32 [bs, K-1, k, k]), eagerly on the
+        forward's hidden states (``dflash2.selector_lattice_from_hidden``), anchored at the
+        block's root (the bonus token)."""
+        anchor = draft_input.bonus_tokens.view(-1)
+
+        def head_fn(draft_out, bs):
+            hidden = draft_out.logits_output.hidden_states
+            return selector_lattice_from_hidden(hidden, self.block_size, self.draft_model, anchor)
+
+        return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
+
+    def _draft_block(self, batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn):
+        """The draft block ``[root, MASK x (K-1)]`` forward on the draft runner, then
+        ``head_fn(draft_out, bs)`` inside the same inference / draft-TP scope; returns its result."""
         bs = len(batch.seq_lens)
         K = self.block_size
         dev = self.device
         prefix = batch.seq_lens
         target_model = self.target_worker.model_runner.model
         embed = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model, target_model))
-        lm_head = unwrap_lora_layer(target_model.lm_head)
 
         block_ids = torch.full((bs, K), int(self._mask_token_id), dtype=torch.int64, device=dev)
         block_ids[:, 0] = draft_input.bonus_tokens.view(-1)
@@ -268,11 +313,7 @@ class TEVWorker(DFlashWorkerV2):
         plan.bind(fb, self.draft_model_runner.kv_index_translator)
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             draft_out = self.draft_model_runner.forward(fb)
-            head = getattr(self, "_draft_sampler", None)
-            if isinstance(head, TevDraftHead) and getattr(draft_out, "can_run_graph", False):
-                return head.read(bs)  # computed inside the replayed draft graph
-            hidden = draft_out.logits_output.hidden_states
-            return draft_topk_from_hidden(hidden, K, lm_head, self.tev.topk, topk_fn=candidate_topk)
+            return head_fn(draft_out, bs)
 
     def _tev_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
@@ -298,13 +339,18 @@ class TEVWorker(DFlashWorkerV2):
             self._row_headroom_checked = True
 
         # 1) draft -> tree
-        logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum)
         # no node may sit at a position past the model's context (a request near its end gets a
         # shallower tree, root-only at the last position)
         caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
-        tree = build_trees(
-            logq, ids, self.tev.budget, draft_input.bonus_tokens.view(-1).to(torch.int64), self.tev.max_depth, depth_cap=caps
-        )
+        roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
+        serving = getattr(self, "_tev_draft", None)
+        if serving is not None and serving.mode == "lattice":
+            # DFlash2: DDTree over the selector lattice (parent-dependent child lists)
+            cand, trans_logq = self._draft_lattice(batch, draft_input, seq_lens_cpu, seq_lens_sum)
+            tree = build_lattice_trees(cand, trans_logq, self.tev.budget, roots, self.tev.max_depth, depth_cap=caps)
+        else:
+            logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum)
+            tree = build_trees(logq, ids, self.tev.budget, roots, self.tev.max_depth, depth_cap=caps)
         layout = tree_verify_layout(tree, prefix, seq_lens_sum)
         # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
         # with its grammar state and fills one vocabulary mask per node (spec_utils.traverse_tree)

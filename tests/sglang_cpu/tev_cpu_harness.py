@@ -334,6 +334,21 @@ def _patch_dflash_model(mod) -> None:
 
     cls.__init__ = __init__
 
+    # ``srt/models/dflash.py:66-70`` (``_radix_topk``, the DFlash2 selector's candidate top-k via
+    # ``candidate_topk`` -> ``compute_candidates``, :1293-1302) calls FlashInfer's top-k whenever
+    # flashinfer imports, without a device guard; this machine has the CUDA wheel, whose top-k
+    # raises "device must be a cuda device" on CPU tensors. CPU tensors take SGLang's own fallback
+    # branch of the same function (``torch.topk(scores, k, dim=-1)``, line 70); CUDA tensors keep
+    # the original.
+    radix_topk = mod._radix_topk
+
+    def _radix_topk(scores, k):
+        if scores.device.type == "cpu":
+            return torch.topk(scores, k, dim=-1)
+        return radix_topk(scores, k)
+
+    mod._radix_topk = _radix_topk
+
 
 def _patch_record_stream() -> None:
     """``srt/speculative/dflash_worker_v2.py:2481`` calls ``Tensor.record_stream`` on the batch's
