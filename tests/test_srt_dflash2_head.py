@@ -200,6 +200,15 @@ def test_lattice_head_is_sglangs_lattice_normalised_and_equals_ours(exported, tp
     torch.testing.assert_close(tlq.exp().sum(-1), torch.ones(bs, K - 1, TOPK), **TOL)
     # the selector matters: rows of a slot differ (a parent-dependent law, not per-slot marginals)
     assert (tlq[:, 1:, 0] - tlq[:, 1:, 1]).abs().max() > 1e-2
+    # one graph (no host sync, no Python fallback): the head can run between replays without a sync
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            c2, t2 = torch.compile(lambda h, a: D2.selector_lattice_from_hidden(h, K, dm, a), fullgraph=True,
+                                   backend="eager")(hidden, anchor)
+        assert torch.equal(c2, cand) and torch.allclose(t2, tlq, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------------------------

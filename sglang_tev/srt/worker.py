@@ -20,6 +20,14 @@ applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the
     -> verify_tree batched (tev / predraw / sequential; greedy at T = 0) -> accepted drafts counted
     -> accepted path's KV slots and hidden rows moved to the front of each window
     -> draft-KV append with the commit lengths -> GenerationBatchResult
+
+DFlash2 checkpoints (SGLang's ``DFlash2DraftModel``: conv, transform, candidate selector) are
+served or refused at construction (``dflash2.resolve_draft_serving``); in lattice mode the
+per-depth top-k step is replaced by SGLang's selector lattice with normalised rows
+(``dflash2.selector_lattice_from_hidden``) and the DDTree by the lattice tree
+(``round.build_lattice_trees``); in marginal mode the top-k is taken of the transformed
+full-vocabulary logits (``dflash2.transformed_candidate_topk``). Everything after the tree is the
+same round.
 """
 
 from __future__ import annotations
