@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,7 +149,10 @@ def test_marginal_mode_is_the_negative_control(hosts, ckpt, prompt_ids, hf_greed
     eng = hosts.get("marginal17", tev_kwargs(17, speculative_draft_model_path=ckpt),
                     env={tp_trace.ENV: folder, "SGLANG_TEV_DFLASH2_MODE": "marginal"})
     ids, acc = _greedy(eng, prompt_ids)
+    log = Path(eng.log.name).read_text(errors="replace")
     hosts.close("marginal17")
+    # not silent: the unused selector is a start-up warning (the test Engines log warnings only)
+    assert "TEV DFlash2 drafter: mode=marginal" in log and "selector top_k=8: IGNORED" in log
     assert_same_ids(ids, hf_greedy, prompt_ids, hf_model, "TEV DFlash2 marginal N=17")
     assert_same_ids(ids, lat_ids, prompt_ids, hf_model, "marginal vs lattice")
     trees = _first_trees(folder, prompt_ids, [o[0] for o in ids])
@@ -159,13 +163,32 @@ def test_marginal_mode_is_the_negative_control(hosts, ckpt, prompt_ids, hf_greed
     assert acc != lat_acc
 
 
-def test_refused_feature_stops_the_start_up(tmp_path):
-    """SGLANG_TEV_DFLASH2_MODE=lattice with a DFlash2-style drafter that has no selector (conv +
-    transform, architectures DFlashDraftModel): refused before any model loads, naming the
-    feature."""
-    path = write_shipped_as_dflash2(tmp_path / "noselect", architecture="DFlashDraftModel", selector_rank=None)
+@pytest.fixture(scope="module")
+def noselect(tmp_path_factory):
+    """A DFlash2-style drafter without a selector: conv + transform, ``architectures``
+    ``DFlashDraftModel`` (SGLang builds its conv for any DFlash-family model, and no selector)."""
+    return str(write_shipped_as_dflash2(tmp_path_factory.mktemp("noselect") / "draft",
+                                        architecture="DFlashDraftModel", selector_rank=None))
+
+
+def test_refused_feature_stops_the_start_up(noselect):
+    """SGLANG_TEV_DFLASH2_MODE=lattice with a drafter that has no selector: refused before any
+    model loads, naming the feature."""
     with pytest.raises((EngineHost.Error, RuntimeError), match="SGLANG_TEV_DFLASH2_MODE=lattice needs a DFlash2 "
                                                                 "candidate selector"):
-        h = EngineHost(tev_kwargs(17, speculative_draft_model_path=str(path)),
+        h = EngineHost(tev_kwargs(17, speculative_draft_model_path=noselect),
                        env={"SGLANG_TEV_DFLASH2_MODE": "lattice"}, start_timeout=300)
         h.close()
+
+
+def test_selectorless_drafter_serves_the_transformed_marginals(hosts, noselect, prompt_ids, hf_greedy, hf_model):
+    """The same drafter without the variable: marginal mode with the full-vocabulary transform
+    (logged), greedy = HF greedy at N = 17."""
+    eng = hosts.get("noselect17", tev_kwargs(17, speculative_draft_model_path=noselect, log_level="info"))
+    ids, acc = _greedy(eng, prompt_ids)
+    log = Path(eng.log.name).read_text(errors="replace")
+    hosts.close("noselect17")
+    assert ("TEV DFlash2 drafter: mode=marginal, conv taps=3 (SGLang DFlashGroupedConv), transform x*0.9, "
+            "softcap 40 on the full-vocabulary logits") in log
+    assert_same_ids(ids, hf_greedy, prompt_ids, hf_model, "TEV DFlash2-style (no selector) N=17")
+    assert sum(map(len, acc)) < sum(map(len, ids))

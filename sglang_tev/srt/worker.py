@@ -202,7 +202,10 @@ class TEVWorker(DFlashWorkerV2):
             self.draft_model.lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
         if get_parallel().tp_rank == 0:
             logger.info("TEV worker: %s", self.tev)
-            if not self._tev_draft.plain:
+            if self._tev_draft.selector_top_k and self._tev_draft.mode == "marginal":
+                # asked for (SGLANG_TEV_DFLASH2_MODE=marginal), but never silent: the selector is unused
+                logger.warning("TEV DFlash2 drafter: %s", self._tev_draft.describe())
+            elif not self._tev_draft.plain:
                 logger.info("TEV DFlash2 drafter: %s", self._tev_draft.describe())
 
     def _maybe_build_draft_sampler(self):
