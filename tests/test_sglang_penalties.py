@@ -138,8 +138,13 @@ def by_case(names, outputs):
 @pytest.fixture(scope="module")
 def plain_refs(prompt_ids):
     """SGLang plain decoding: unpenalised greedy, then every case (one batch); the Engine is closed
-    before TEV's starts."""
-    eng = EngineHost(plain_kwargs(max_running_requests=48), env=ENV)
+    before TEV's starts. With overlap scheduling OFF: SGLang 0.5.23's plain decoding under
+    overlap feeds its penalizers a lagging token (``ScheduleBatch.cumulate_penalty_output_tokens``
+    reads ``req.output_ids[-1]`` before the previous step's result is processed,
+    ``schedule_batch.py:3715-3734``), so its frequency / presence / repetition penalties are off
+    by a step (seen: frequency + presence diverge from the exact penalised greedy at token 9,
+    while overlap-off plain decoding and TEV with overlap on follow it exactly)."""
+    eng = EngineHost(plain_kwargs(max_running_requests=48, disable_overlap_schedule=True), env=ENV)
     try:
         unpenalised = [o["output_ids"] for o in eng.generate(prompt_ids, [{"temperature": 0, "max_new_tokens": MAX_NEW}] * len(prompt_ids))]
         stops = stop_tokens(unpenalised)

@@ -58,7 +58,9 @@ def servers():
         futures = {
             # metrics: the abort counter shows that a client's disconnect aborted its request
             "tev": ex.submit(ServerHost, tev_kwargs(TREE_SIZE, enable_metrics=True, **common)),
-            "plain": ex.submit(ServerHost, plain_kwargs(**common)),
+            # the reference without overlap scheduling: SGLang's plain decoding under overlap
+            # applies penalties one step late (see tests/test_sglang_penalties.py, plain_refs)
+            "plain": ex.submit(ServerHost, plain_kwargs(disable_overlap_schedule=True, **common)),
         }
         hosts, errors = {}, []
         for name, f in futures.items():

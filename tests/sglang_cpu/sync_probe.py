@@ -20,6 +20,7 @@ import json
 import os
 
 ENV = "SGLANG_TEV_SYNC_PROBE"
+_gpu_paths = None
 
 
 def _short(path: str) -> str:
@@ -33,7 +34,11 @@ def _short(path: str) -> str:
 def _wrap_worker(mod) -> None:
     from sglang_tev.testing.host_sync import HostSyncCounter, gpu_code_paths
 
-    gpu_code_paths().__enter__()  # for the rest of the process
+    global _gpu_paths
+    # kept for the rest of the process (a dropped context manager would restore the CPU paths
+    # when it is garbage-collected)
+    _gpu_paths = gpu_code_paths()
+    _gpu_paths.__enter__()
     out = os.environ[ENV]
     orig = mod.TEVWorker._tev_decode
 
