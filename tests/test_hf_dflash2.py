@@ -316,3 +316,23 @@ def test_bench_cli_draft_modes_side_by_side(shipped2, tmp_path, capsys):
     assert "lattice" in stdout and "marginal" in stdout
     lines = [json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()]
     assert len({tuple(x["new_token_ids"]) for x in lines}) == 1  # greedy: every mode decodes the same text
+
+
+# --------------------------------------------------------------------------------- host syncs
+@pytest.mark.parametrize("method,temperature", [("tev", 0.0), ("tev", 1.0), ("chain", 1.0)])
+def test_lattice_round_makes_one_host_sync(shipped2, method, temperature):
+    """On the round's GPU code path (level-wise lattice builder, selector chain without host
+    reads), counted on CPU: one decision read per batched round, everything else per call."""
+    from sglang_tev.testing.host_sync import HostSyncCounter, gpu_code_paths
+
+    gen, _, _ = shipped2
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
+    with gpu_code_paths(), HostSyncCounter(include=("sglang_tev/",)) as c:
+        results = gen.generate(prompts, method=method, budget=16, max_new_tokens=[40, 24, 32], draft_mode="lattice",
+                               sampling=SamplingParams(temperature=temperature), seed=3)
+    per_row = [len(r.rounds) for r in results]
+    sites = c.by_site()
+    decision = sum(n for (file, _, op), n in sites.items() if file.endswith("sglang_tev/verify/output.py"))
+    assert max(per_row) >= 8 and max(per_row) <= decision <= sum(per_row), (per_row, c.format())
+    others = {k: n for k, n in sites.items() if not k[0].endswith("sglang_tev/verify/output.py")}
+    assert all(n <= 4 for n in others.values()), others

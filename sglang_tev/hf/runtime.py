@@ -45,8 +45,9 @@ __all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "Request", 
 
 GENERATION_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential", "greedy")
 """``autoregressive``: plain decoding (a root-only tree per step); ``chain``: the linear DFlash
-block (per-depth argmax, parents[i] = i - 1) checked by ``verifier``; the rest: DDTree verified by
-that method."""
+block (per-depth argmax, parents[i] = i - 1; in draft mode ``lattice`` the DFlash2 selector's
+greedy / sampled walk instead) checked by ``verifier``; the rest: DDTree (over the selector
+lattice in draft mode ``lattice``) verified by that method."""
 
 DRAFT_MODES = ("auto", "lattice", "marginal")
 """How a round reads its draft (issue 28). ``marginal``: per-depth draft logits (a DFlash2
