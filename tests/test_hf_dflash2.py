@@ -336,3 +336,17 @@ def test_lattice_round_makes_one_host_sync(shipped2, method, temperature):
     assert max(per_row) >= 8 and max(per_row) <= decision <= sum(per_row), (per_row, c.format())
     others = {k: n for k, n in sites.items() if not k[0].endswith("sglang_tev/verify/output.py")}
     assert all(n <= 4 for n in others.values()), others
+
+
+def test_shorter_block_and_static_shapes_in_lattice_mode(tiny):
+    """block_size below the drafter's (fewer slots in the lattice and the chain) and fixed forward
+    shapes (the CUDA-graph layout) keep greedy = plain decoding."""
+    target, drafter = tiny
+    gen = SpeculativeGenerator(target, DFlashDrafter(drafter, target), static_shapes=True)
+    refs = [plain_greedy(target, p, 20) for p in RAGGED]
+    for method in ("tev", "chain"):
+        for K in (3, 6):
+            res = gen.generate(RAGGED, method=method, budget=5, block_size=K, max_new_tokens=20, ignore_eos=True,
+                               draft_mode="lattice")
+            assert [r.token_ids for r in res] == refs, (method, K)
+            assert max(x.tree_nodes for r in res for x in r.rounds) <= (6 if method == "tev" else K)
