@@ -274,6 +274,19 @@ def test_tev9_first_two_sampled_tokens_follow_the_target_law(hosts, prompt_ids, 
     _check_first_two_tokens(_tev9(hosts), prompt_ids[4], hf_model, params, seeded=True)
 
 
+def test_tev9_min_p_under_deterministic_inference_is_refused_and_the_engine_serves_on(hosts, prompt_ids, plain_greedy, hf_model):
+    """This Engine runs with deterministic inference, where SGLang's own seeded sampler asserts on
+    min-p and its scheduler exits (plain decoding too, seen on this harness): TEV's admission
+    refuses the request by name, and the Engine serves the next one."""
+    from hosts import EngineHost
+
+    eng = _tev9(hosts)
+    with pytest.raises(EngineHost.Error, match="min_p=0.05 with --enable-deterministic-inference"):
+        eng.generate([prompt_ids[0]], [{"temperature": 1.0, "min_p": 0.05, "max_new_tokens": 8}])
+    out = eng.generate([prompt_ids[0]], greedy_params(MAX_NEW[:1]))
+    assert_same_ids(ids_of(out), plain_greedy[:1], prompt_ids, hf_model, "after a refused request")
+
+
 def test_tev9_mixed_batch_keeps_greedy_rows_exact(hosts, prompt_ids, plain_greedy, hf_model):
     eng = _tev9(hosts)
     sps, ids = [], []

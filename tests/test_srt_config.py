@@ -232,3 +232,23 @@ def test_prompts_the_scheduler_cannot_run_are_refused_at_admission():
     with pytest.raises(ValueError, match="out-of-vocabulary token id -1"):
         check_input_ids([-1], 4096)
 
+
+
+def test_min_p_is_refused_only_under_deterministic_inference():
+    """SGLang's seeded sampler asserts on min-p and its scheduler exits (plain decoding too); a
+    server with deterministic inference (every request seeded) refuses min-p by name instead."""
+    import sglang_tev.srt.admission as A
+
+    A.check_deterministic_min_p({"min_p": 0.05, "temperature": 1.0}, deterministic=False)
+    A.check_deterministic_min_p({"min_p": 0.0}, deterministic=True)
+    A.check_deterministic_min_p(None, deterministic=True)
+    with pytest.raises(ValueError, match=r"min_p=0.05 with --enable-deterministic-inference"):
+        A.check_deterministic_min_p({"min_p": 0.05}, deterministic=True)
+    det = SimpleNamespace(
+        server_args=SimpleNamespace(speculative_algorithm="TEV", enable_deterministic_inference=True),
+        model_config=SimpleNamespace(vocab_size=8),
+    )
+    with pytest.raises(ValueError, match="min_p"):
+        A._after_validate(None, det, SimpleNamespace(sampling_params={"min_p": 0.1}, input_embeds=None), [1])
+    plain = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="TEV"), model_config=SimpleNamespace(vocab_size=8))
+    assert A._after_validate("ok", plain, SimpleNamespace(sampling_params={"min_p": 0.1}, input_embeds=None), [1]) == "ok"

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-__all__ = ["REFUSED_OPTIONS", "check_sampling_params", "check_input_ids", "install_admission_hook"]
+__all__ = [
+    "REFUSED_OPTIONS",
+    "check_sampling_params",
+    "check_input_ids",
+    "check_deterministic_min_p",
+    "install_admission_hook",
+]
 
 REFUSED_OPTIONS: dict = {}
 """Sampling options TEV cannot serve exactly, ``{name: (no-op value, reason)}``; a request setting
@@ -79,6 +85,32 @@ def check_input_ids(input_ids, vocab_size: int) -> None:
         raise ValueError(f"TEV: input_ids contains the out-of-vocabulary token id {bad}; valid range is [0, {vocab_size})")
 
 
+def check_deterministic_min_p(sampling_params: Optional[Mapping], deterministic: bool) -> None:
+    """Refuse min-p on a server started with ``--enable-deterministic-inference``.
+
+    There every request carries a sampling seed, and SGLang 0.5.23's seeded sampler asserts on
+    min-p (``layers/sampler.py:829-833``, "With sampling seed, multinomial_with_seed will provide
+    wrong results") when it samples the request's first token in the prefill, for plain decoding
+    and every speculative algorithm alike: the scheduler exits and every request in flight is
+    lost. Found by sending one to a TEV server; TEV itself serves min-p exactly.
+
+    Args:
+        sampling_params: the request's ``sampling_params`` dict (None = defaults).
+        deterministic: the server's ``enable_deterministic_inference``.
+    Raises:
+        ValueError naming ``min_p`` and the flag (HTTP 400 on a server).
+    """
+    if not deterministic or not sampling_params:
+        return
+    min_p = sampling_params.get("min_p")
+    if min_p is not None and float(min_p) > 0.0:
+        raise ValueError(
+            f"TEV: min_p={min_p!r} with --enable-deterministic-inference: SGLang's seeded sampler does not support "
+            "min-p (layers/sampler.py:831; its scheduler would exit); send min_p=0, or serve min-p without "
+            "deterministic inference"
+        )
+
+
 def _after_validate(result, manager, obj, *args, **kwargs):
     server_args = getattr(manager, "server_args", None)
     if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != "TEV":
@@ -89,13 +121,15 @@ def _after_validate(result, manager, obj, *args, **kwargs):
     params = getattr(obj, "sampling_params", None)
     if isinstance(params, Mapping):
         check_sampling_params(params)
+        check_deterministic_min_p(params, bool(getattr(server_args, "enable_deterministic_inference", False)))
     return result
 
 
 def install_admission_hook() -> None:
     """Install, through SGLang's ``HookRegistry`` (``load_plugins()`` applies them; idempotent):
 
-    * :func:`check_input_ids` and :func:`check_sampling_params` after SGLang's own per-request
+    * :func:`check_input_ids`, :func:`check_sampling_params` and :func:`check_deterministic_min_p`
+      after SGLang's own per-request
       validation (``TokenizerManager._validate_one_request``, ``managers/tokenizer_manager.py:1307``,
       which runs for ``/generate``, the OpenAI endpoints and ``Engine.generate``). Servers running
       another algorithm are not affected.
