@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
-from hosts import TARGET, EngineHost, EnginePool, require_sglang, tev_kwargs  # noqa: E402
+from hosts import TARGET, EngineHost, EnginePool, hf_greedy_ids, hf_target, require_sglang, tev_kwargs  # noqa: E402
 
 require_sglang()
 
@@ -58,19 +57,12 @@ def prompt_ids(tokenizer):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.bfloat16).eval()
+    return hf_target()
 
 
 @pytest.fixture(scope="module")
 def hf_greedy(prompt_ids, hf_model):
-    out = []
-    with torch.no_grad():
-        for ids, n in zip(prompt_ids, MAX_NEW):
-            y = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, pad_token_id=0)
-            out.append(y[0, len(ids):].tolist())
-    return out
+    return hf_greedy_ids(hf_model, prompt_ids, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

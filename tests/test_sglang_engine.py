@@ -18,7 +18,16 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
-from hosts import TARGET, EnginePool, first_divergence, plain_kwargs, require_sglang, tev_kwargs  # noqa: E402
+from hosts import (  # noqa: E402
+    TARGET,
+    EnginePool,
+    first_divergence,
+    hf_greedy_ids,
+    hf_target,
+    plain_kwargs,
+    require_sglang,
+    tev_kwargs,
+)
 
 require_sglang()
 
@@ -50,22 +59,13 @@ def prompt_ids(tokenizer):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.bfloat16).eval()
+    return hf_target()
 
 
 @pytest.fixture(scope="module")
 def hf_greedy(prompt_ids, hf_model):
     """HF transformers greedy decoding, one prompt at a time (no padding), bf16."""
-    model = hf_model
-    out = []
-    with torch.no_grad():
-        for ids, n in zip(prompt_ids, MAX_NEW):
-            x = torch.tensor([ids])
-            y = model.generate(x, do_sample=False, max_new_tokens=n, pad_token_id=0)
-            out.append(y[0, len(ids) :].tolist())
-    return out
+    return hf_greedy_ids(hf_model, prompt_ids, MAX_NEW)
 
 
 def greedy_params(max_new):

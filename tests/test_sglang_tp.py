@@ -26,11 +26,10 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
 import tp_trace  # noqa: E402
-from hosts import TARGET, EngineHost, require_sglang, tev_kwargs  # noqa: E402
+from hosts import EngineHost, hf_greedy_ids, hf_target, prompt_token_ids, require_sglang, tev_kwargs  # noqa: E402
 from test_sglang_engine import MAX_NEW, PROMPTS, assert_same_ids, greedy_params, ids_of  # noqa: E402
 
 require_sglang()
@@ -47,28 +46,17 @@ TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 @pytest.fixture(scope="module")
 def prompt_ids():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(TARGET)
-    return [tok(p).input_ids for p in PROMPTS]
+    return prompt_token_ids(PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.bfloat16).eval()
+    return hf_target()
 
 
 @pytest.fixture(scope="module")
 def hf_greedy(prompt_ids, hf_model):
-    out = []
-    with torch.no_grad():
-        for i in GREEDY:
-            x = torch.tensor([prompt_ids[i]])
-            y = hf_model.generate(x, do_sample=False, max_new_tokens=MAX_NEW[i], pad_token_id=0)
-            out.append(y[0, len(prompt_ids[i]) :].tolist())
-    return out
+    return hf_greedy_ids(hf_model, [prompt_ids[i] for i in GREEDY], [MAX_NEW[i] for i in GREEDY])
 
 
 def _lines(folder, rank=0) -> int:

@@ -31,6 +31,7 @@ import pytest
 import torch
 from tiny_pair import plain_greedy
 
+from sglang_worker_fakes import FakeKV, FakeTranslator  # noqa: E402
 from sglang_required import require_sglang  # noqa: E402
 
 require_sglang()
@@ -261,30 +262,6 @@ def test_draft_head_compiles_without_a_graph_break(monkeypatch):
 
 
 # ---------------------------------------------------------------------- replay emulation
-class FakePlan:
-    def __init__(self, ids):
-        self.ids = ids
-
-    def write_ids(self, translator, **kw):
-        return self.ids
-
-    def bind(self, fb, translator):
-        fb.bound = True
-
-
-class FakeTranslator:
-    def plan(self, *, req_pool_indices, seq_lens, seq_lens_cpu, write_virtual, read_extent):
-        return FakePlan(write_virtual)
-
-
-class FakeKV:
-    def __init__(self, store):
-        self.store = store
-
-    def move_kv_cache(self, tgt_loc, src_loc):
-        self.store[tgt_loc] = self.store[src_loc].clone()
-
-
 def _bucket(bs, buckets):
     return next(b for b in buckets if b >= bs)
 

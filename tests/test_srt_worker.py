@@ -25,38 +25,12 @@ import pytest
 import torch
 from tiny_pair import plain_greedy
 
+from sglang_worker_fakes import FakeKV, FakeTranslator  # noqa: E402
 from sglang_required import require_sglang  # noqa: E402
 
 require_sglang()
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class FakePlan:
-    def __init__(self, ids):
-        self.ids = ids
-
-    def write_ids(self, translator, **kw):
-        return self.ids
-
-    def bind(self, fb, translator):
-        fb.bound = True
-
-
-class FakeTranslator:
-    def plan(self, *, req_pool_indices, seq_lens, seq_lens_cpu, write_virtual, read_extent):
-        assert write_virtual.numel() == req_pool_indices.numel() * read_extent
-        return FakePlan(write_virtual)
-
-
-class FakeKV:
-    def __init__(self, store):
-        self.store = store
-        self.moves = 0
-
-    def move_kv_cache(self, tgt_loc, src_loc):
-        self.store[tgt_loc] = self.store[src_loc].clone()
-        self.moves += 1
 
 
 @pytest.mark.parametrize("verifier", ["tev", "sequential"])

@@ -47,6 +47,35 @@ BASE = dict(
 )
 
 
+def prompt_token_ids(prompts) -> list:
+    """The shipped target's tokenizer's ids of each prompt (no special tokens added by it)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    return [tok(p).input_ids for p in prompts]
+
+
+def hf_target():
+    """The shipped target in HF transformers, bf16 (the Engines' dtype), eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.bfloat16).eval()
+
+
+def hf_greedy_ids(model, prompt_ids, max_new) -> list:
+    """HF ``generate(do_sample=False)`` of each prompt alone (no padding): the new ids, the
+    reference every Engine test compares greedy output with."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for ids, n in zip(prompt_ids, max_new):
+            y = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+            out.append(y[0, len(ids) :].tolist())
+    return out
+
+
 def tev_kwargs(tree_size: int, **extra) -> dict:
     """Engine kwargs for TEV with the shipped drafter and tree size N = B + 1."""
     kw = dict(BASE, speculative_algorithm="TEV", speculative_draft_model_path=DRAFT, speculative_num_draft_tokens=tree_size)
