@@ -36,26 +36,12 @@ import torch
 
 
 def shipped_as_dflash2(out_dir: Path) -> tuple[Path, Path]:
-    """(target dir, re-dressed DFlash2 draft dir) of the shipped tiny-code pair (see the module doc)."""
-    from sglang_tev.draft.dflash import DFlashConfig, DFlashDraftModel
-    from sglang_tev.hf.assets import shipped_pair
+    """(target dir, re-dressed DFlash2 draft dir) of the shipped tiny-code pair
+    (``sglang_tev.testing.dflash2``, the drafter the tests use)."""
+    from sglang_tev.testing.dflash2 import shipped_as_dflash2 as redress
 
-    target_dir, draft_dir = shipped_pair()
-    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    cfg["architectures"] = ["DFlash2BeamDraftModel"]
-    cfg["dflash_config"].update(conv_kernel_size=3, conv_group_size=32, selector_rank=8, selector_top_k=8,
-                                output_multiplier=0.9, final_logit_softcapping=40.0)
-    v1 = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
-    model = DFlashDraftModel(DFlashConfig.from_dict(cfg))
-    model.load_state_dict(v1.state_dict(), strict=False)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in model.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel[:, 1:].copy_(0.02 * torch.randn(conv.base_kernel[:, 1:].shape, generator=g))
-                conv.kernel_projection.weight.copy_(0.002 * torch.randn(conv.kernel_projection.weight.shape, generator=g))
-    model.save_pretrained(out_dir / "draft2")
-    return Path(target_dir), out_dir / "draft2"
+    target_dir, draft2, _ = redress(out_dir)
+    return target_dir, draft2
 
 
 def main(argv=None) -> int:

@@ -502,29 +502,10 @@ def test_static_runner_equals_the_model_on_ragged_rows():
 
 
 def _shipped_as_dflash2(tmp_path):
-    """The shipped tiny-code drafter (DFlash v1, trained) re-dressed as a DFlash2 checkpoint: its
-    weights, a near-identity conv (small random taps and projections), a random selector, a
-    non-neutral but order-preserving transform. Acceptance stays that of a trained drafter, so the
-    runtime's positions, compaction and context gathering are exercised."""
-    from sglang_tev.hf.assets import shipped_pair
+    """The shipped drafter re-dressed as DFlash2 (``sglang_tev.testing.dflash2``)."""
+    from sglang_tev.testing.dflash2 import shipped_as_dflash2
 
-    target_dir, draft_dir = shipped_pair()
-    cfg = json.loads((draft_dir / "config.json").read_text())
-    cfg["architectures"] = ["DFlash2BeamDraftModel"]
-    cfg["dflash_config"].update(conv_kernel_size=3, conv_group_size=32, selector_rank=8, selector_top_k=8,
-                                output_multiplier=0.9, final_logit_softcapping=40.0)
-    v1 = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
-    model = DFlashDraftModel(DFlashConfig.from_dict(cfg))
-    missing, unexpected = model.load_state_dict(v1.state_dict(), strict=False)
-    assert not unexpected and all("conv" in n or "candidate_selector" in n for n in missing)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in model.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel[:, 1:].copy_(0.02 * torch.randn(conv.base_kernel[:, 1:].shape, generator=g))
-                conv.kernel_projection.weight.copy_(0.002 * torch.randn(conv.kernel_projection.weight.shape, generator=g))
-    model.save_pretrained(tmp_path / "draft2")
-    return target_dir, tmp_path / "draft2", model
+    return shipped_as_dflash2(tmp_path)
 
 
 def test_generate_greedy_with_a_dflash2_drafter_equals_plain_decoding(tmp_path, capsys):
