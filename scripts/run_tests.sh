@@ -16,12 +16,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 FAST=()
-if [[ "${1:-}" == "--fast" ]]; then
-    shift
-    FAST=(-m "not slow")
-elif [[ "${1:-}" == "--no-install" ]]; then
-    shift
-else
+INSTALL=1
+# the script's own flags come first, in any order (--fast implies --no-install)
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --fast) FAST=(-m "not slow"); INSTALL=0; shift ;;
+        --no-install) INSTALL=0; shift ;;
+        *) break ;;
+    esac
+done
+if [[ $INSTALL == 1 ]]; then
     python -m pip install -q -e ".[test,sglang]"
     python -m pip install -q --no-deps "dflash==0.1.0"
 fi

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_tev.srt.kv_headroom import overlap_reserve_need
 from sglang_tev.srt.config import (
     DEFAULT_TREE_SIZE,
     TevSettings,
@@ -69,6 +70,9 @@ def test_overlap_stays_on_only_where_the_kv_reserve_covers_a_lagging_step(n, k, 
     assert bool(warned) is (not overlap)
     if warned:
         assert f"N={n}, K={k}, D={d}" in warned[0] and "--speculative-num-steps" in warned[0]
+        # the smallest tree size that keeps overlap with this block and depth is named, and it does
+        smallest = int(warned[0].split("--speculative-num-draft-tokens >= ")[1].split(",")[0])
+        assert overlap_reserve_need(smallest, k, d) <= 2 * smallest and overlap_reserve_need(smallest - 1, k, d) > 2 * (smallest - 1)
     # an operator who turned overlap off keeps it off
     off = args(speculative_num_draft_tokens=n, speculative_dflash_block_size=k, speculative_num_steps=d, disable_overlap_schedule=True)
     resolve_server_args(off, environ={})

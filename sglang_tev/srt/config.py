@@ -314,6 +314,14 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
             raise ValueError(f"TEV: {flag} must be 1.0 (exact verification), got {val}")
 
 
+def _smallest_overlap_tree(block_size: int, max_depth: int) -> int:
+    """The smallest tree size N whose KV reserve covers a lagging step (overlap stays on)."""
+    n = 2
+    while overlap_reserve_need(n, block_size, max_depth) > 2 * n:
+        n += 1
+    return n
+
+
 def resolve_server_args(
     sa,
     read_draft_block_size: Optional[Callable[[object], Optional[int]]] = None,
@@ -406,10 +414,11 @@ def resolve_server_args(
     if not sa.disable_overlap_schedule and need > 2 * n:
         # the reservation is made from a committed length one step behind the worker's
         logger.warning(
-            "TEV: overlap scheduling disabled for N=%d, K=%d, D=%d: a step may write %d KV slots past the "
-            "scheduler's lagging committed length but SGLang reserves 2N = %d; raise "
-            "--speculative-num-draft-tokens or lower --speculative-num-steps to keep overlap on",
-            n, k, d, need, 2 * n,
+            "TEV: overlap scheduling disabled for N=%d, K=%d, D=%d: a step may write max(N, K) + min(D, N - 1) + 1 "
+            "= %d KV slots past the scheduler's lagging committed length but SGLang reserves 2N = %d; to keep "
+            "overlap on, use --speculative-num-draft-tokens >= %d, or a smaller --speculative-num-steps (D) or "
+            "--speculative-dflash-block-size (K)",
+            n, k, d, need, 2 * n, _smallest_overlap_tree(k, d),
         )
         sa.disable_overlap_schedule = True
     cg = getattr(sa, "cuda_graph_config", None)
