@@ -37,7 +37,8 @@ def test_readme_test_command_is_one_command_that_ci_runs_and_names_what_enables_
     assert "export SGLANG_TEV_REQUIRE_SGLANG=1" in script
     # -q dropped by commands(); the whole suite without arguments (FAST is empty unless --fast)
     assert script[-1] == 'python -m pytest "${FAST[@]}" "$@"' and "FAST=()" in script
-    assert 'FAST=(-m "not slow")' in script  # --fast: the inner loop without the slow modules
+    text = (ROOT / "scripts" / "run_tests.sh").read_text()
+    assert '--fast) FAST=(-m "not slow"); INSTALL=0' in text  # --fast: the inner loop, no install
     assert "-q" in (ROOT / "scripts" / "run_tests.sh").read_text().splitlines()[-1]
     assert 'pip install --no-deps "dflash==0.1.0"' in section("Run the tests")
     skip_reason = (ROOT / "tests" / "test_dflash.py").read_text()
