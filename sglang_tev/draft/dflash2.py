@@ -221,6 +221,27 @@ class CandidateSelector(nn.Module):
         return SelectorLattice(candidate_ids=cand, unary_logq=unary - logz, scores=scores,
                                transition_logq=torch.log_softmax(scores, dim=-1))
 
+    def teacher_forced_scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidate_ids: torch.Tensor,
+                              predecessor_ids: torch.Tensor) -> torch.Tensor:
+        """Selector scores of given candidates after a GIVEN predecessor token (training).
+
+        Args:
+            hidden: ``[..., H]``, a slot's final-normed hidden state.
+            unary: float ``[..., k]``, the slot's transformed logits at the candidates (with grad).
+            candidate_ids: int64 ``[..., k]``, the candidates (the slot's top-k, or any token set).
+            predecessor_ids: int64 ``[...]``, the token before the slot (the anchor for slot 1).
+
+        Returns float32 ``[..., k]``: ``unary[c] + <A[pred] ⊙ W_h h, B[cand_c]>``, the row of
+        :meth:`lattice`'s ``scores`` whose predecessor is ``predecessor_ids`` (equal to it when the
+        predecessor is slot d-1's candidate p). Differentiable in every input and parameter.
+        Reference: the objective of SpecForge PR #772 (``dflash2_selector_loss_alpha``), which scores
+        the top-k after the teacher-forced gold predecessor.
+        """
+        hp = self.hidden_projection(hidden).float()                            # [..., r]
+        a = self.predecessor_codebook.float()[predecessor_ids]                 # [..., r]
+        bb = self.successor_codebook.float()[candidate_ids]                    # [..., k, r]
+        return unary.float() + torch.einsum("...r,...kr->...k", a * hp, bb)
+
 
 def path_q_rows(lattice: SelectorLattice, indices: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The proposal law of each slot along a walk.

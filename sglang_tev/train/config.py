@@ -23,7 +23,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
-__all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig", "RolloutConfig",
+__all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig", "SelectorLossConfig", "RolloutConfig",
            "load_config", "parse_overrides", "config_to_dict", "schema_default", "RECIPES", "load_recipe"]
 
 
@@ -90,6 +90,32 @@ class DraftArchConfig:
     num_key_value_heads: int | None = _f(None, check=_ge(1))
     head_dim: int | None = _f(None, check=_ge(2))
     init_std: float = _f(0.02, check=_gt(0.0), doc="std of the normal init of Linear weights")
+    # DFlash2 (issue 28): checked by DFlashConfig (the same rules as loading a checkpoint)
+    architecture: Literal["DFlashDraftModel", "DFlash2DraftModel"] = _f(
+        "DFlashDraftModel", doc="DFlash2DraftModel: grouped conv, logit transform, candidate selector")
+    conv_kernel_size: int | None = _f(None, check=_ge(1), doc="DFlash2 conv taps (with conv_group_size)")
+    conv_group_size: int | None = _f(None, check=_ge(1), doc="DFlash2 conv channels per group; divides hidden")
+    selector_rank: int | None = _f(None, check=_ge(1), doc="DFlash2 selector codebook rank (with selector_top_k)")
+    selector_top_k: int | None = _f(None, check=_ge(1), doc="DFlash2 selector candidates per slot")
+    output_multiplier: float = _f(1.0, check=_gt(0.0), doc="DFlash2 draft logits x this ...")
+    final_logit_softcapping: float | None = _f(None, check=_gt(0.0), doc="... then c * tanh(logits / c)")
+
+
+@dataclass(frozen=True)
+class SelectorLossConfig:
+    """DFlash2's candidate-selector term (``loss += weight * L_sel``; only for a drafter with a
+    selector, ignored otherwise): a k-way CE of the selector's scores over the slot's top-k
+    candidates after the TRUE predecessor token (teacher-forced; SpecForge PR #772,
+    ``dflash2_selector_loss_alpha``). ``labels``: ``data`` (the label token; SpecForge) or
+    ``target`` (the frozen target's law restricted to the candidates: the distillation analogue).
+    ``gold`` (data labels): ``strict`` (slots whose label is not a candidate carry no selector loss,
+    SpecForge's current rule) or ``insert`` (the label replaces the last candidate, PR #772's
+    first rule). Slot weights: the dense terms' ``keep · decay``; own denominator.
+    """
+
+    weight: float = _f(1.0, check=_ge(0.0))
+    labels: Literal["data", "target"] = _f("data")
+    gold: Literal["strict", "insert"] = _f("strict")
 
 
 @dataclass(frozen=True)
@@ -115,6 +141,9 @@ class ExitLossConfig:
                                                                      f"largest budget), got {v!r}")
     include_horizon_leaves: bool = _f(True)
     anchors_per_forward: int | None = _f(None, check=_ge(1))
+    tree: Literal["auto", "marginal", "lattice"] = _f(
+        "auto", doc="the trees of the term: auto = the selector lattice for a DFlash2 drafter with a "
+                    "selector (the draft log-q of a node is its lattice transition), else marginal (DDTree)")
 
 
 @dataclass(frozen=True)
@@ -147,6 +176,7 @@ class LossConfig:
                                doc="weight of the soft-target CE against the frozen target's own "
                                    "next-token distribution at each label position")
     exit: ExitLossConfig = _f(factory=ExitLossConfig)
+    selector: SelectorLossConfig = _f(factory=SelectorLossConfig)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,11 @@ def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDraftModel:
     """The drafter to train, float32: warm-started from ``draft_init`` or freshly initialised.
 
     Fresh init (``draft:``): Qwen3 dims of the target unless overridden; Linear weights
-    ~ N(0, init_std²) from a generator seeded by ``seed``, norms 1. Raises ``ValueError`` naming
-    the key when the drafter does not fit the target.
+    ~ N(0, init_std²) from a generator seeded by ``seed``, norms 1. DFlash2 (``draft.architecture:
+    DFlash2DraftModel``): the convs start as the identity (``base_kernel`` tap 0 = 1, zero kernel
+    projection) and the selector's ``successor_codebook`` at zero (scores = the unary logits; the
+    predecessor codebook and hidden projection random), so step 0 drafts as the backbone alone.
+    Raises ``ValueError`` naming the key when the drafter does not fit the target.
     """
     tcfg = text_config(target)
     if cfg.draft_init is not None:
@@ -61,6 +64,13 @@ def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDraftModel:
         "rope_theta": _rope_theta(tcfg),
         "max_position_embeddings": int(getattr(tcfg, "max_position_embeddings", 32768)),
         "vocab_size": int(tcfg.vocab_size),
+        "architecture": arch.architecture,
+        "conv_kernel_size": arch.conv_kernel_size,
+        "conv_group_size": arch.conv_group_size,
+        "selector_rank": arch.selector_rank,
+        "selector_top_k": arch.selector_top_k,
+        "output_multiplier": arch.output_multiplier,
+        "final_logit_softcapping": arch.final_logit_softcapping,
     }
     try:
         dcfg = DFlashConfig(**fields)
@@ -71,7 +81,13 @@ def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDraftModel:
     g = torch.Generator().manual_seed(cfg.seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            if p.dim() >= 2:
+            if name.endswith(".base_kernel"):  # DFlash2 conv: the identity (tap 0 = 1), as SGLang's init
+                p.zero_()[:, 0] = 1.0
+            elif name.endswith(("_conv.kernel_projection.weight", "successor_codebook")):
+                # zero: the conv starts as the identity and the selector's scores as the unary logits
+                # (the bilinear term is 0), so a fresh DFlash2 drafter drafts as its backbone
+                p.zero_()
+            elif p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * arch.init_std)
             else:
                 p.fill_(1.0)

@@ -34,13 +34,20 @@ from typing import Callable
 import torch
 
 from ..draft.ddtree import build_ddtree
+from ..draft.lattice import build_lattice_tree, selector_chain
 from ..tree import DraftTree, ExitLaw, additive_mask, exit_law
 
-__all__ = ["EXIT_MODES", "target_law", "exit_weights", "weights_from_law", "anchor_trees", "take_trees",
+__all__ = ["EXIT_MODES", "TREE_MODES", "target_law", "exit_weights", "weights_from_law", "anchor_trees", "take_trees",
            "tree_query_mask", "kv_reuse_forward", "iter_tree_logits", "score_trees",
            "check_tree_support", "default_anchors_per_forward"]
 
 EXIT_MODES = ("exit", "prefix", "reach", "exit_depth")
+TREE_MODES = ("marginal", "lattice", "chain")
+"""How a drafter's block becomes a tree (the transformers runtime's draft modes, issue 28):
+``marginal`` = DDTree over the per-depth draft logits (a DFlash2 drafter's transformed marginals,
+its selector unused); ``lattice`` = the lattice DDTree over a DFlash2 selector's candidate lattice
+(:func:`sglang_tev.draft.lattice.build_lattice_tree`); ``chain`` = the greedy chain of depth H: the
+selector's greedy walk with a lattice, else the per-depth argmax."""
 
 
 def target_law(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -139,20 +146,41 @@ def take_trees(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
 
 
 def anchor_trees(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor,
-                 keep: torch.Tensor | None = None) -> DraftTree:
+                 keep: torch.Tensor | None = None, *, lattice=None, mode: str = "marginal") -> DraftTree:
     """The drafter's inference trees for a batch of anchors (no grad).
 
     Args:
         draft_logits: float [T, H, V], DFlash block logits, row d-1 = depth d (detached here).
-        budget: non-root nodes per tree (the inference budget B).
+        budget: non-root nodes per tree (the inference budget B; unused by ``chain``).
         root_tokens: int64 [T], ``x_a`` per anchor.
         keep: bool [T] or None; a False anchor's tree is cut to its root (no valid non-root node,
             so it adds nothing to the loss or its denominator).
+        lattice: a :class:`~sglang_tev.draft.dflash2.SelectorLattice` of the same T blocks
+            (``candidate_ids`` [T, H, k], ``transition_logq`` [T, H, k, k]); needed by ``lattice``,
+            used by ``chain`` when given (the selector's greedy walk).
+        mode: one of :data:`TREE_MODES`.
     Returns:
-        :class:`DraftTree` with N = 1 + budget.
+        :class:`DraftTree` with N = 1 + budget (``chain``: 1 + H).
+    Raises:
+        ValueError naming ``mode``: unknown, or ``lattice`` without a lattice.
     """
+    if mode not in TREE_MODES:
+        raise ValueError(f"mode: expected one of {TREE_MODES}, got {mode!r}")
+    if mode == "lattice" and lattice is None:
+        raise ValueError("mode: 'lattice' needs the drafter's selector lattice (a DFlash2 drafter with a selector)")
     with torch.no_grad():
-        tree = build_ddtree(draft_logits.detach().float(), budget, root_tokens, validate=False)
+        if mode == "marginal":
+            tree = build_ddtree(draft_logits.detach().float(), budget, root_tokens, validate=False)
+        elif mode == "lattice":
+            tree = build_lattice_tree(lattice.candidate_ids, lattice.transition_logq.detach().float(), budget,
+                                      root_tokens, validate=False)
+        elif lattice is not None:
+            tree = selector_chain(lattice.candidate_ids, lattice.transition_logq.detach().float(), root_tokens,
+                                  0.0, validate=False)
+        else:  # the argmax chain: a one-candidate lattice
+            top = draft_logits.detach().argmax(-1, keepdim=True)                      # [T, H, 1]
+            tree = selector_chain(top, torch.zeros(*top.shape, 1, device=top.device), root_tokens, 0.0,
+                                  validate=False)
     if keep is None:
         return tree
     valid = tree.valid & keep[:, None]

@@ -27,7 +27,11 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["LossTerm", "decay_weights", "block_inputs", "block_logits", "slot_ce", "token_loss",
-           "distill_loss", "exit_loss", "combine_terms", "depth_stats", "stats_to_metrics"]
+           "distill_loss", "exit_loss", "lattice_exit_loss", "selector_loss", "SELECTOR_LABELS", "SELECTOR_GOLD",
+           "combine_terms", "depth_stats", "stats_to_metrics"]
+
+SELECTOR_LABELS = ("data", "target")
+SELECTOR_GOLD = ("strict", "insert")
 
 
 class LossTerm(NamedTuple):
@@ -82,14 +86,19 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
 def block_logits(forward_train: Callable[..., torch.Tensor], embed: Callable, lm_head: Callable,
                  features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
                  keep: torch.Tensor, block_size: int,
-                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask_token_id: int, transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 return_hidden: bool = False):
     """Draft logits of every training block (one masked full-sequence forward).
 
     forward_train : ``DFlashDraftModel.forward_train`` (or a DDP-wrapped module with its
         signature); embed / lm_head : the target's frozen embedding and LM head.
     features : ``[b, S, n_ids*H]`` target context features (detached); ids : int64 ``[b, S]``;
     anchors : int64 ``[b, n]``; keep : bool ``[b, n]`` (False blocks attend only to themselves).
-    Returns ``(logits float32 [b, n, K-1, V], labels int64 [b, n, K-1])``.
+    transform : applied to the float32 logits (DFlash2's ``DFlashDraftModel.transform_logits``:
+        ``output_multiplier`` then soft-capping, as at inference); None = identity (DFlash v1).
+    return_hidden : also return the final-normed hidden states of slots 1..K-1 ``[b, n, K-1, H]``
+        (the candidate selector's input).
+    Returns ``(logits float32 [b, n, K-1, V], labels int64 [b, n, K-1])`` [``+ (hidden,)``].
     """
     from ..draft.dflash import block_train_mask
 
@@ -104,7 +113,10 @@ def block_logits(forward_train: Callable[..., torch.Tensor], embed: Callable, lm
     head_w = getattr(lm_head, "weight", None)
     if isinstance(head_w, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(head_w.dtype)
-    return lm_head(hidden).float(), labels
+    logits = lm_head(hidden).float()
+    if transform is not None:
+        logits = transform(logits)
+    return (logits, labels, hidden) if return_hidden else (logits, labels)
 
 
 def slot_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -178,6 +190,108 @@ def exit_loss(draft_logits: torch.Tensor, tree, weights: torch.Tensor) -> LossTe
     z_tok = z.reshape(b, H * V).gather(1, row * V + tree.tokens.clamp(0, V - 1))
     numerator = (row_w * torch.logsumexp(z, dim=-1)).sum() - (w * z_tok).sum()
     return LossTerm(numerator, nonroot.sum().to(dt))
+
+
+def lattice_exit_loss(transition_logq: torch.Tensor, candidate_ids: torch.Tensor, tree,
+                      weights: torch.Tensor) -> LossTerm:
+    """ExitTrain's tree term (paper Eq. 14) on lattice trees of a DFlash2 drafter.
+
+    transition_logq : float ``[b, H, k, k]`` with grad (:class:`~sglang_tev.draft.dflash2.SelectorLattice`);
+        row p of slot d is log q(slot d's candidate | slot d-1 took candidate p); slot 0: row 0.
+    candidate_ids : int64 ``[b, H, k]``, the lattice's candidates (distinct per slot).
+    tree : :class:`~sglang_tev.tree.DraftTree` built on that lattice (every node's token is a
+        candidate of its slot, as :func:`~sglang_tev.draft.lattice.build_lattice_tree` makes them).
+    weights : float ``[b, N]``, detached per-node weights.
+
+    The draft log-probability of node v at depth d is the lattice's, ``transition_logq[d-1,
+    c(parent), c(v)]`` (c = a node's candidate index, found by its token; a depth-1 node reads row
+    0): numerator ``-Σ_v weights[v]·log q(v | parent)``, denominator the number of valid non-root
+    nodes, as :func:`exit_loss`. Raises ``ValueError`` naming ``weights`` or ``tree`` on mismatch.
+    """
+    b, H, k, _ = transition_logq.shape
+    if tuple(weights.shape) != tuple(tree.parents.shape) or tree.batch_size != b:
+        raise ValueError(f"weights: expected [{b}, N] matching the tree {tuple(tree.parents.shape)}, "
+                         f"got {tuple(weights.shape)}")
+    if tree.max_depth > H:
+        raise ValueError(f"tree: depth {tree.max_depth} exceeds the {H} lattice slots")
+    n = tree.parents.shape[1]
+    nonroot = tree.valid & (tree.depth > 0)
+    slot = (tree.depth - 1).clamp(min=0)                                          # [b, N]
+    cands = candidate_ids.gather(1, slot[..., None].expand(b, n, k))              # [b, N, k]
+    own = (cands == tree.tokens[..., None]).to(torch.int8).argmax(-1)             # [b, N]
+    parent = own.gather(1, tree.parents.clamp(min=0))
+    parent = torch.where(tree.depth > 1, parent, torch.zeros_like(parent))
+    lq = transition_logq.float().reshape(b, H * k * k).gather(1, (slot * k + parent) * k + own)
+    w = torch.where(nonroot, weights.detach().float(), torch.zeros((), device=lq.device))
+    return LossTerm(-(w * lq).sum(), nonroot.sum().float())
+
+
+def selector_loss(selector, hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor,
+                  labels: torch.Tensor, weights: torch.Tensor, *, target_logits: torch.Tensor | None = None,
+                  gold: str = "strict") -> tuple[LossTerm, torch.Tensor]:
+    """DFlash2's candidate-selector objective, teacher-forced (SpecForge PR #772, re-derived).
+
+    Per slot ``d`` of a block (depth d + 1) the candidates are the top-k of the slot's transformed
+    draft logits and the predecessor is the TRUE token before the slot (``x_a`` for slot 0, the
+    label of slot d-1 after it): the row of the lattice the selector is in when the drafter's walk
+    so far was right. Scores: :meth:`~sglang_tev.draft.dflash2.CandidateSelector.teacher_forced_scores`
+    (unary at the candidates + the bilinear term); the loss is a k-way cross-entropy of
+    ``log_softmax(scores)``:
+
+    * hard labels (``target_logits`` None): the label token. ``gold="strict"``: slots whose label is
+      not among the candidates carry no selector loss (SpecForge's current strict top-k rule);
+      ``"insert"``: the label replaces the last candidate there (PR #772's first rule), so every
+      slot trains.
+    * soft labels (``target_logits`` given, ``[b, n, H, V]``, the target's logits at the same slots):
+      the target's law restricted to the candidates and renormalised, ``-Σ_c p̃(c) log s(c)`` —
+      the distillation analogue, the conditional the lattice's row should carry.
+
+    Args:
+        selector: the drafter's :class:`~sglang_tev.draft.dflash2.CandidateSelector`.
+        hidden: ``[b, n, H, Hd]`` slot hidden states; logits: float ``[b, n, H, V]`` transformed
+            draft logits (with grad); roots: int64 ``[b, n]`` (``x_a``); labels: int64 ``[b, n, H]``;
+            weights: float ``[b, n, H]`` (``keep · decay``, as the dense terms).
+        gold: one of :data:`SELECTOR_GOLD` (hard labels only).
+    Returns:
+        ``(LossTerm(Σ w·CE, Σ w over contributing slots), stats float64 [4])`` with stats =
+        ``[Σ w, Σ w·[label in top-k], Σ w·[label in top-k and the selector's argmax is it],
+        Σ w·[label in top-k and the unary argmax is it]]`` (recall and the teacher-forced top-1 of
+        the selector vs the unary head, summable over ranks).
+    Raises:
+        ValueError naming ``gold`` for an unknown rule.
+    """
+    if gold not in SELECTOR_GOLD:
+        raise ValueError(f"gold: expected one of {SELECTOR_GOLD}, got {gold!r}")
+    k = selector.top_k
+    pred = torch.cat([roots[..., None], labels[..., :-1]], dim=-1)                 # [b, n, H]
+    unary, cand = torch.topk(logits, k, dim=-1)                                    # [b, n, H, k]
+    hit = cand == labels[..., None]
+    covered = hit.any(-1)
+    w = weights.float()
+    if target_logits is None and gold == "insert":
+        last = torch.zeros_like(hit)
+        last[..., -1] = True
+        swap = last & ~covered[..., None]
+        cand = torch.where(swap, labels[..., None], cand)
+        unary = torch.where(swap, logits.gather(-1, labels[..., None]), unary)
+        hit = cand == labels[..., None]
+    scores = selector.teacher_forced_scores(hidden, unary, cand, pred)
+    logp = torch.log_softmax(scores, dim=-1)
+    if target_logits is not None:
+        p = torch.softmax(target_logits.detach().float(), dim=-1).gather(-1, cand)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        ce = -(p * logp).sum(-1)
+        wl = w
+    else:
+        ce = -(logp * hit.float()).sum(-1)
+        wl = w * hit.any(-1).float()
+    with torch.no_grad():
+        first = torch.zeros_like(hit)
+        first[..., 0] = True                    # topk is descending: index 0 is the unary argmax
+        sel_top = F.one_hot(scores.argmax(-1), k).bool()
+        stats = torch.stack([w.sum(), (w * covered).sum(), (w * (sel_top & hit).any(-1) * covered).sum(),
+                             (w * (first & hit).any(-1) * covered).sum()]).double()
+    return LossTerm((ce * wl).sum(), wl.sum().detach()), stats
 
 
 def combine_terms(terms: Sequence[tuple[float, LossTerm]],

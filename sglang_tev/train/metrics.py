@@ -23,11 +23,11 @@ from ..draft.dflash import extract_context_features
 from ..hf.static_cache import cache_kwargs
 from ..tree import DraftTree, ExitLaw, exit_law
 from .data import TokenDataset, collate, valid_anchor_positions
-from .exit import anchor_trees, iter_tree_logits, kv_reuse_forward, target_law
+from .exit import TREE_MODES, anchor_trees, iter_tree_logits, kv_reuse_forward, target_law
 from .losses import block_logits, depth_stats, stats_to_metrics
 
 __all__ = ["BREAKDOWN_KEYS", "TreeBreakdown", "exit_breakdown", "laws_by_temperature", "tree_breakdowns",
-           "evaluate"]
+           "evaluate", "resolve_tree_mode", "draft_blocks"]
 
 BREAKDOWN_KEYS = ("block_len", "w_root", "w_inner", "w_cut", "w_horizon")
 
@@ -103,11 +103,49 @@ def laws_by_temperature(forward_rows, lm_head, last_hidden: torch.Tensor, tree: 
             for ps in parts]
 
 
+def resolve_tree_mode(draft, mode: str = "auto") -> str:
+    """The tree mode a drafter is measured / trained in: ``auto`` = ``lattice`` for a drafter with a
+    DFlash2 candidate selector, else ``marginal``; otherwise ``mode`` itself (one of
+    :data:`~.exit.TREE_MODES`). Raises ``ValueError`` naming ``mode`` for an unknown one, or
+    ``lattice`` on a drafter without a selector."""
+    has_selector = getattr(draft.config, "selector_rank", None) is not None
+    if mode == "auto":
+        return "lattice" if has_selector else "marginal"
+    if mode not in TREE_MODES:
+        raise ValueError(f"mode: expected 'auto' or one of {TREE_MODES}, got {mode!r}")
+    if mode == "lattice" and not has_selector:
+        raise ValueError("mode: 'lattice' needs a DFlash2 drafter with a candidate selector "
+                         "(selector_rank / selector_top_k)")
+    return mode
+
+
+def draft_blocks(draft, embed, head, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
+                 keep: torch.Tensor, block_size: int, mode: str = "marginal", forward_train=None):
+    """A drafter's training-time block forward at ``anchors`` (identical to its inference draft):
+    ``(logits float32 [b, n, K-1, V] (DFlash2: transformed), labels int64 [b, n, K-1], lattice)``
+    with ``lattice`` the selector's :class:`~sglang_tev.draft.dflash2.SelectorLattice` over the
+    ``b·n`` blocks (rows ``[b·n, K-1, k]``) when ``mode`` is ``lattice``, or ``chain`` on a drafter
+    with a selector; else None. ``forward_train``: the (possibly DDP-wrapped) training forward
+    (default ``draft.forward_train``)."""
+    fwd = draft.forward_train if forward_train is None else forward_train
+    logits, labels, hidden = block_logits(fwd, embed, head, features, ids, anchors, keep, block_size,
+                                          draft.config.mask_token_id, transform=draft.transform_logits,
+                                          return_hidden=True)
+    lattice = None
+    if mode in ("lattice", "chain") and getattr(draft.config, "selector_rank", None) is not None:
+        T = anchors.numel()
+        lattice = draft.candidate_selector.lattice(hidden.reshape(T, block_size - 1, -1),
+                                                   logits.reshape(T, block_size - 1, -1),
+                                                   ids.gather(1, anchors).reshape(-1))
+    return logits, labels, lattice
+
+
 @torch.no_grad()
 def tree_breakdowns(draft_logits: torch.Tensor, budget: int, roots: torch.Tensor, keep: torch.Tensor,
                     forward_rows, lm_head, last_hidden: torch.Tensor, anchors: torch.Tensor,
                     temperatures: Sequence[float], anchors_per_forward: int | None = None,
-                    mask_dtype: torch.dtype = torch.float32, autocast: dict | None = None) -> list[TreeBreakdown]:
+                    mask_dtype: torch.dtype = torch.float32, autocast: dict | None = None, *,
+                    lattice=None, mode: str = "marginal") -> list[TreeBreakdown]:
     """The tree metric of a drafter at a batch of anchors, per temperature.
 
     Args:
@@ -119,10 +157,12 @@ def tree_breakdowns(draft_logits: torch.Tensor, budget: int, roots: torch.Tensor
         temperatures: target-law temperatures.
         autocast: ``torch.autocast`` keyword arguments for the target's tree pass (None: the
             caller's autocast state).
+        lattice, mode: how the block becomes a tree (:func:`.exit.anchor_trees`; ``lattice``: the
+            DFlash2 selector lattice of the T blocks).
     Returns:
         ``[TreeBreakdown]`` with [T] rows, in the order of ``temperatures``.
     """
-    tree = anchor_trees(draft_logits, budget, roots, keep)
+    tree = anchor_trees(draft_logits, budget, roots, keep, lattice=lattice, mode=mode)
     with torch.autocast(**autocast) if autocast is not None else contextlib.nullcontext():
         laws = laws_by_temperature(forward_rows, lm_head, last_hidden, tree, anchors, temperatures,
                                    anchors_per_forward, mask_dtype)
@@ -134,7 +174,7 @@ def evaluate(draft, target, data: TokenDataset, *, block_size: int | None = None
              stride: int = 4, max_windows: int | None = None, batch_size: int = 4,
              sep_ids: Sequence[int] = (), device: torch.device | None = None,
              autocast_dtype: torch.dtype | None = None, exit_budget: int | None = None,
-             temperatures: Sequence[float] = (0.0, 1.0)) -> dict:
+             temperatures: Sequence[float] = (0.0, 1.0), tree_mode: str = "auto") -> dict:
     """Held-out per-depth top-1 accuracy and CE of a drafter against its target's data, and the
     expected block length ``1 + C_p`` of its trees there (the metric of ``sglang-tev eval-drafter``).
 
@@ -145,9 +185,18 @@ def evaluate(draft, target, data: TokenDataset, *, block_size: int | None = None
     ``windows`` and ``tokens``. With ``exit_budget`` (a DDTree budget B), also, per temperature T
     of ``temperatures``: ``block_len_T<T>`` (mean ``1 + C_p`` of the drafter's budget-B tree at
     those anchors under the target's law at T, :func:`tree_breakdowns`) and ``w_root_T<T>`` (mean
-    exit mass at the root); keys like ``block_len_T0``, ``block_len_T1``.
+    exit mass at the root); keys like ``block_len_T0``, ``block_len_T1``. ``tree_mode``: how the
+    block becomes a tree (:func:`resolve_tree_mode`; ``auto``: the selector lattice for a DFlash2
+    drafter). A drafter with a candidate selector also gets ``sel_recall`` (label among the top-k
+    candidates), ``sel_acc`` and ``unary_acc`` (teacher-forced top-1 of the selector's row after
+    the true predecessor vs of the logits, over the covered slots; :func:`~.losses.selector_loss`).
     """
+    from .losses import selector_loss
+
     K = block_size or draft.config.block_size
+    mode = resolve_tree_mode(draft, tree_mode)
+    has_selector = getattr(draft.config, "selector_rank", None) is not None
+    sel_sums = torch.zeros(4, dtype=torch.float64)
     device = device or next(draft.parameters()).device
     n = len(data)
     idx = list(range(n)) if max_windows is None or max_windows >= n else \
@@ -181,8 +230,18 @@ def evaluate(draft, target, data: TokenDataset, *, block_size: int | None = None
             out = decoder(input_ids=ids, output_hidden_states=True, use_cache=cache is not None,
                           **(cache_kwargs(decoder, cache) if cache is not None else {}))
             feats = extract_context_features(out.hidden_states, draft.config.target_layer_ids)
-            logits, labels = block_logits(draft.forward_train, embed, head, feats, ids, anchors,
-                                          keep, K, draft.config.mask_token_id)
+            logits, labels, hidden = block_logits(draft.forward_train, embed, head, feats, ids, anchors, keep, K,
+                                                  draft.config.mask_token_id, transform=draft.transform_logits,
+                                                  return_hidden=True)
+        lattice = None
+        if has_selector:
+            _, st = selector_loss(draft.candidate_selector, hidden.float(), logits, ids.gather(1, anchors), labels,
+                                  keep[..., None].float().expand_as(labels))
+            sel_sums += st.cpu()
+            if mode in ("lattice", "chain"):
+                lattice = draft.candidate_selector.lattice(hidden.reshape(-1, K - 1, hidden.shape[-1]).float(),
+                                                           logits.reshape(-1, K - 1, logits.shape[-1]),
+                                                           ids.gather(1, anchors).reshape(-1))
         st = depth_stats(logits, labels, keep)
         total = st if total is None else total + st
         if temps and bool(keep.any()):
@@ -190,7 +249,8 @@ def evaluate(draft, target, data: TokenDataset, *, block_size: int | None = None
             mask_dtype = autocast_dtype or next(target.parameters()).dtype
             brs = tree_breakdowns(logits.reshape(-1, K - 1, logits.shape[-1]), exit_budget,
                                   ids.gather(1, anchors).reshape(-1), kept, kv_reuse_forward(decoder, cache),
-                                  head, out.last_hidden_state, anchors, temps, mask_dtype=mask_dtype, autocast=amp)
+                                  head, out.last_hidden_state, anchors, temps, mask_dtype=mask_dtype, autocast=amp,
+                                  lattice=lattice, mode=mode)
             for i, br in enumerate(brs):
                 tree_sums[i, 0] += br.block_len[kept].sum().cpu()
                 tree_sums[i, 1] += br.w_root[kept].sum().cpu()
@@ -199,6 +259,10 @@ def evaluate(draft, target, data: TokenDataset, *, block_size: int | None = None
         raise ValueError(f"data: {data.source} has no valid anchor for block size {K}")
     out = stats_to_metrics(total)
     out.update(windows=len(idx), tokens=tokens)
+    if has_selector:
+        tot, cov, sel, uni = sel_sums.tolist()
+        out.update(sel_recall=cov / tot if tot else math.nan, sel_acc=sel / cov if cov else math.nan,
+                   unary_acc=uni / cov if cov else math.nan)
     for i, t in enumerate(temps):
         a = out["anchors"]
         out[f"block_len_T{t:g}"] = float(tree_sums[i, 0]) / a if a else math.nan

@@ -45,8 +45,8 @@ from .data import TokenDataset, anchor_keys, batch_indices, collate, load_datase
 from .draft_init import build_drafter
 from .exit import anchor_trees, check_tree_support, kv_reuse_forward, score_trees, weights_from_law
 from .losses import LossTerm, block_logits, combine_terms, decay_weights, depth_stats, distill_loss, \
-    exit_loss, slot_ce, stats_to_metrics, token_loss
-from .metrics import evaluate
+    exit_loss, lattice_exit_loss, selector_loss, slot_ce, stats_to_metrics, token_loss
+from .metrics import evaluate, resolve_tree_mode
 from .rollout import cache_path, check_prompt_file, ensure_rollouts
 from .schedule import lr_lambda
 from .target import load_target, load_target_config, load_target_tokenizer, resolve_device, separator_ids, \
@@ -137,11 +137,12 @@ class TrainResult:
 class BatchLoss(NamedTuple):
     """One batch's loss terms and what the step's metrics read (:meth:`Trainer.loss_terms`).
 
-    terms: ``{name: (weight, LossTerm)}``, names ``tok`` [``distill``] [``exit``], in that order.
+    terms: ``{name: (weight, LossTerm)}``, names ``tok`` [``distill``] [``selector``] [``exit``], in that order.
     logits: float [b, n, K-1, V], the drafter's block logits (with grad); labels: int64 [b, n, K-1];
     keep: bool [b, n] (valid anchors); ce: float [b, n, K-1], the slot CE.
     tree_stats: float64 [3], ``[Σ C_p, Σ w(root), trees]`` of the exit term's trees (zeros without it).
     tokens: tokens in the batch (``b · S``).
+    sel_stats: float64 [4], the selector term's sums (:func:`~.losses.selector_loss`; zeros without it).
     """
 
     terms: dict[str, tuple[float, LossTerm]]
@@ -151,6 +152,7 @@ class BatchLoss(NamedTuple):
     ce: torch.Tensor
     tree_stats: torch.Tensor
     tokens: int
+    sel_stats: torch.Tensor
 
 
 class Trainer:
@@ -218,6 +220,11 @@ class Trainer:
         if cfg.seq_len < self.block_size + 1:
             raise ConfigError("seq_len", f"must be >= block_size + 1 = {self.block_size + 1}")
         self._check_trainable()
+        self.has_selector = self.draft.config.selector_rank is not None
+        try:
+            self.exit_tree = resolve_tree_mode(self.draft, cfg.loss.exit.tree)
+        except ValueError as e:
+            raise ConfigError("loss.exit.tree", str(e)) from None
 
         decay, no_decay = [], []
         for _, p in self.draft.named_parameters():
@@ -312,26 +319,45 @@ class Trainer:
         h = last_hidden.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, H))
         return self.lm_head(h).reshape(*pos.shape, -1)
 
-    def _dense_terms(self, logits, labels, anchors, keep, last_hidden, amp, ce=None) -> dict:
+    def _dense_terms(self, logits, labels, anchors, keep, last_hidden, amp, ce=None, hidden=None, ids=None):
         """The dense loss terms ``{"tok": (token_weight, LossTerm), ["distill": (distill_weight,
-        LossTerm)]}`` of one batch, per-slot weights ``keep · decay``; ``tok`` is always present
-        (it is logged even at weight 0). ``ce``: the slot CE when already computed."""
+        LossTerm)], ["selector": (selector weight, LossTerm)]}`` of one batch, per-slot weights
+        ``keep · decay``, and the selector's stats (float64 [4], zeros without it); ``tok`` is
+        always present (it is logged even at weight 0). ``ce``: the slot CE when already computed;
+        ``hidden`` / ``ids``: the slot hidden states and the batch's ids (the selector term)."""
         cfg = self.cfg
         weights = keep[..., None].float() * self.decay
         terms = {"tok": (cfg.loss.token_weight, token_loss(logits, labels, weights, ce=ce))}
-        if cfg.loss.distill_weight:
+        scfg = cfg.loss.selector
+        use_sel = self.has_selector and scfg.weight > 0
+        target_logits = None
+        if cfg.loss.distill_weight or (use_sel and scfg.labels == "target"):
             with torch.no_grad(), torch.autocast(**amp):
                 target_logits = self._target_logits(last_hidden, anchors)
+        if cfg.loss.distill_weight:
             terms["distill"] = (cfg.loss.distill_weight, distill_loss(logits, target_logits, weights))
-        return terms
+        sel_stats = torch.zeros(4, dtype=torch.float64, device=logits.device)
+        if use_sel:
+            term, sel_stats = selector_loss(self.draft.candidate_selector, hidden.float(), logits,
+                                            ids.gather(1, anchors), labels, weights,
+                                            target_logits=target_logits if scfg.labels == "target" else None,
+                                            gold=scfg.gold)
+            terms["selector"] = (scfg.weight, term)
+        return terms, sel_stats
 
-    def _exit_term(self, logits, ids, anchors, keep, last_hidden, seq_cache, amp, times):
-        """ExitTrain's term (paper Eq. 14) and its diagnostics ``[Σ C_p, Σ w(root), trees]``."""
+    def _exit_term(self, logits, ids, anchors, keep, last_hidden, seq_cache, amp, times, hidden=None):
+        """ExitTrain's term (paper Eq. 14) and its diagnostics ``[Σ C_p, Σ w(root), trees]``; on
+        the selector's lattice trees (``loss.exit.tree`` resolved to ``lattice``) each node's draft
+        log-q is its lattice transition (:func:`~.losses.lattice_exit_loss`)."""
         ecfg = self.cfg.loss.exit
         b, n, H, V = logits.shape
         draft = logits.reshape(b * n, H, V)
+        roots = ids.gather(1, anchors).reshape(-1)
         t = time.perf_counter()
-        tree = anchor_trees(draft, ecfg.budget, ids.gather(1, anchors).reshape(-1), keep.reshape(-1))
+        lattice = None
+        if self.exit_tree == "lattice":
+            lattice = self.draft.candidate_selector.lattice(hidden.reshape(b * n, H, -1).float(), draft, roots)
+        tree = anchor_trees(draft, ecfg.budget, roots, keep.reshape(-1), lattice=lattice, mode=self.exit_tree)
         times["build"] = time.perf_counter() - t
         t = time.perf_counter()
         mask_dtype = self.amp_dtype or next(self.target.parameters()).dtype
@@ -342,6 +368,8 @@ class Trainer:
         weights = weights_from_law(tree, law, ecfg.mode, ecfg.include_horizon_leaves, horizon=H)
         kept = keep.reshape(-1)
         diag = torch.stack([law.coverage[kept].sum(), law.w[kept, 0].sum(), kept.sum()]).double()
+        if lattice is not None:
+            return lattice_exit_loss(lattice.transition_logq, lattice.candidate_ids, tree, weights), diag
         return exit_loss(draft, tree, weights), diag
 
     def loss_terms(self, step: int | None = None, times: dict | None = None) -> "BatchLoss":
@@ -372,16 +400,18 @@ class Trainer:
         keys = anchor_keys(cfg.seed, step, cfg.batch_size, cfg.seq_len, self.dist.rank)
         anchors, keep = sample_anchors(valid, cfg.num_anchors, keys)
         with torch.autocast(**amp):
-            logits, labels = block_logits(self.step_module, self.embed, self.lm_head, features,
-                                          ids, anchors, keep, K, self.draft.config.mask_token_id)
+            logits, labels, hidden = block_logits(self.step_module, self.embed, self.lm_head, features,
+                                                  ids, anchors, keep, K, self.draft.config.mask_token_id,
+                                                  transform=self.draft.transform_logits, return_hidden=True)
         ce = slot_ce(logits, labels)                                   # [b, n, K-1]
-        terms = self._dense_terms(logits, labels, anchors, keep, last_hidden, amp, ce=ce)
+        terms, sel_stats = self._dense_terms(logits, labels, anchors, keep, last_hidden, amp, ce=ce,
+                                             hidden=hidden, ids=ids)
         times["draft"] = time.perf_counter() - t0
         diag = torch.zeros(3, dtype=torch.float64, device=dev)
         if use_exit:
-            ex, diag = self._exit_term(logits, ids, anchors, keep, last_hidden, seq_cache, amp, times)
+            ex, diag = self._exit_term(logits, ids, anchors, keep, last_hidden, seq_cache, amp, times, hidden=hidden)
             terms["exit"] = (cfg.loss.exit.lambda_, ex)
-        return BatchLoss(terms, logits, labels, keep, ce, diag, ids.numel())
+        return BatchLoss(terms, logits, labels, keep, ce, diag, ids.numel(), sel_stats)
 
     def train_step(self) -> dict:
         """One optimizer step at ``self.step``; returns its log record (global over ranks).
@@ -412,8 +442,9 @@ class Trainer:
         times["backward"] = time.perf_counter() - t
         nums = torch.stack([term.numerator.detach().double() for _, term in terms.values()])
         stats = torch.cat([depth_stats(batch.logits.detach(), batch.labels, batch.keep, ce=batch.ce.detach()),
-                           nums, batch.tree_stats])
+                           nums, batch.tree_stats, batch.sel_stats])
         self.dist.all_reduce(stats)
+        stats, sel = stats[:-4], stats[-4:].tolist()
         m = stats_to_metrics(stats[:-3 - len(terms)])
         term_means = {name: float(num) / d if d else 0.0
                       for name, num, d in zip(terms, stats[-3 - len(terms):-3].tolist(), dens)}
@@ -425,6 +456,10 @@ class Trainer:
                "anchors": m["anchors"],
                "tokens_per_s": round(batch.tokens * self.dist.world_size / dt, 1),
                **{f"ms_{k}": round(v * 1e3, 2) for k, v in times.items()}}
+        if "selector" in terms:
+            tot, cov, hit_sel, hit_uni = sel
+            rec.update(sel_recall=cov / tot if tot else 0.0, sel_acc=hit_sel / cov if cov else 0.0,
+                       unary_acc=hit_uni / cov if cov else 0.0)
         if use_exit:
             c_sum, w_root, trees = stats[-3:].tolist()
             coverage = c_sum / trees if trees else 0.0
