@@ -46,7 +46,7 @@ _ARG_OF = {
     "methods": "--methods", "verifier": "--verifier", "stop_strings": "--stop", "seed": "--seed",
     "budgets": "--budgets", "temperatures": "--temperatures", "prompts": "--dataset", "limit": "--limit",
     "dataset": "--dataset", "repeats": "--repeats", "output_dir": "--output", "draft_mode": "--draft-mode",
-    "draft_modes": "--draft-modes",
+    "draft_modes": "--draft-modes", "tree_modes": "--tree-modes",
 }
 
 
@@ -157,6 +157,8 @@ examples:
   sglang-tev eval-drafter --prompts humaneval --limit 24               # the shipped pair, T = 0 and 1, B = 64
   sglang-tev eval-drafter --target DIR --draft OLD --draft NEW --prompts prompts.jsonl \\
       --temperatures 0,1 --budgets 32,64 --max-new-tokens 128 --output runs/eval --cache-dir runs/cont
+  sglang-tev eval-drafter --target DIR --draft V1 --draft DFLASH2 --prompts prompts.jsonl \
+      --tree-modes marginal,lattice,chain                              # rows V1[marginal], DFLASH2[lattice], ...
 """
 
 
@@ -247,8 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     eg = e.add_argument_group("model")
     eg.add_argument("--target", help="target model directory (HF, with tokenizer); default: the shipped tiny-code pair")
     eg.add_argument("--draft", action="append", metavar="DIR",
-                    help="DFlash drafter directory (repeatable; the first is the baseline of the differences); "
-                    "default without --target: the shipped drafter")
+                    help="DFlash / DFlash2 drafter directory (repeatable; the first row is the baseline of the "
+                    "differences); DIR@MODES measures this drafter in MODES (e.g. DIR@lattice,chain) instead of "
+                    "--tree-modes; default without --target: the shipped drafter")
+    eg.add_argument("--tree-modes", type=_str_list, default=["auto"], metavar="MODES",
+                    help="comma-separated subset of auto,marginal,lattice,chain: how each drafter's block becomes "
+                    "a tree, one report row per (drafter, mode) named DRAFTER[MODE] (auto: lattice for a DFlash2 "
+                    "drafter with a selector, else marginal; lattice is skipped for a drafter without a selector "
+                    "when other modes are listed; chain = the greedy chain, K-1 nodes whatever B; default auto)")
     eg.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     eg.add_argument("--no-chat-template", action="store_true",
                     help="do not apply the tokenizer's chat template (default: applied when the tokenizer has one)")
@@ -698,6 +706,22 @@ def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()
         raise UsageError(arg, f"cannot create {str(out)[:80]!r}...: a name is longer than {name_max} bytes")
 
 
+TREE_MODE_CHOICES = ("auto", "marginal", "lattice", "chain")  # "auto" + train.exit.TREE_MODES
+
+
+def _draft_with_modes(value: str) -> tuple[str, list[str] | None]:
+    """``--draft DIR@MODES`` -> (DIR, [modes]); ``DIR`` (or an existing directory whose name holds
+    an ``@``) -> (DIR, None). ``UsageError('--draft')`` for an unknown mode after the ``@``."""
+    path, sep, spec = value.rpartition("@")
+    if not sep or not path or os.path.isdir(value):
+        return value, None
+    modes = _str_list(spec)
+    if not modes or any(m not in TREE_MODE_CHOICES for m in modes):
+        raise UsageError("--draft", f"{value!r}: the tree modes after '@' must be a comma-separated subset of "
+                                    f"{','.join(TREE_MODE_CHOICES)}")
+    return path, modes
+
+
 def cmd_eval_drafter(args, argv: list[str]) -> int:
     """``sglang-tev eval-drafter``: :func:`sglang_tev.train.drafter_eval.evaluate_drafters`."""
     if args.limit is not None:
@@ -712,6 +736,9 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
     if len(set(args.temperatures)) != len(args.temperatures) or len(set(args.budgets)) != len(args.budgets):
         raise UsageError("--temperatures" if len(set(args.temperatures)) != len(args.temperatures) else "--budgets",
                          "values must be distinct")
+    if not args.tree_modes or any(m not in TREE_MODE_CHOICES for m in args.tree_modes):
+        raise UsageError("--tree-modes", f"give a comma-separated subset of {','.join(TREE_MODE_CHOICES)}, got "
+                                         f"{','.join(args.tree_modes) or 'nothing'}")
     if args.target is not None:
         target, drafts = args.target, list(args.draft or [])
         if not drafts:
@@ -722,6 +749,8 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
         except FileNotFoundError as e:
             raise UsageError("--target", str(e)) from None
         drafts = list(args.draft or [shipped])
+    drafts, draft_modes = zip(*(_draft_with_modes(d) for d in drafts))
+    drafts = list(drafts)
     for arg, path in [("--target", target)] + [("--draft", d) for d in drafts]:
         if not os.path.isdir(path):
             raise UsageError(arg, f"no model directory at {os.fspath(path)!r}")
@@ -748,12 +777,14 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
                                 max_new_tokens=args.max_new_tokens, seed=args.seed, output_dir=out,
                                 cache_dir=args.cache_dir, chat_template=not args.no_chat_template,
                                 batch_size=args.batch_size, device=device, progress=not args.no_progress,
-                                command=shlex.join([PROG, *argv]))
+                                command=shlex.join([PROG, *argv]), tree_modes=args.tree_modes,
+                                draft_tree_modes=list(draft_modes))
     except (FileNotFoundError, ValueError) as e:
         msg = str(e)
         head = msg.split(":", 1)[0].split(" ", 1)[0]
         arg = {"prompts": "--prompts", "target": "--target", "draft": "--draft", "budgets": "--budgets",
-               "temperatures": "--temperatures", "max_new_tokens": "--max-new-tokens"}.get(head, "--prompts")
+               "temperatures": "--temperatures", "max_new_tokens": "--max-new-tokens",
+               "tree_modes": "--tree-modes"}.get(head, "--prompts")
         raise UsageError(arg, _strip_name(msg)) from None
     print(format_table(rep))
     print(f"[{PROG}] wrote {out / 'results.json'}, table.txt, exit_mass_by_depth.png "

@@ -194,12 +194,13 @@ def test_cli_same_drafter_twice_gives_zero_difference_and_reuses_the_cache(pair,
     assert rc == 0, err
     rep = json.loads((out / "results.json").read_text())
     assert rep["drafters"] == ["draft", "draft#2"] and len(rep["results"]) == 2 * 2 * 2
+    assert rep["rows"] == ["draft[marginal]", "draft#2[marginal]"] and rep["tree_modes"] == ["auto"]
     assert (out / "table.txt").read_text().strip() in stdout and (out / "exit_mass_by_depth.png").stat().st_size > 0
     for r in rep["results"]:
         assert r["positions"] > 4 * 3 and r["prompts"] == 4
         assert 1.0 <= r["block_len"] <= 4.0 and len(r["w_depth"]) == 4      # block size 4: depths 0..3
         assert sum(r["w_depth"]) == pytest.approx(1.0, abs=1e-5)
-        if r["drafter"] == "draft#2":
+        if r["drafter"] == "draft#2[marginal]":
             assert r["diff_vs_first"]["block_len"] == 0.0 and r["diff_vs_first"]["block_len_se"] == 0.0
     # T = 0 continuations are the target's greedy ones; a rerun reuses every cached continuation
     conts = [json.loads(ln) for ln in Path(rep["continuations"]["0"]).read_text().splitlines()]

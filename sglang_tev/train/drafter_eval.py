@@ -19,6 +19,12 @@ metric of :mod:`.metrics` (:func:`~.metrics.tree_breakdowns`, also the trainer's
 trees, their target rows scored over the sequence's KV, all temperatures' laws from one tree pass.
 Trees are built without stop-token leaves (as ``--ignore-eos`` decoding).
 
+Tree modes (:data:`~.exit.TREE_MODES`; ``auto`` = ``lattice`` for a DFlash2 drafter with a
+candidate selector, else ``marginal``): ``marginal`` (DDTree over the per-depth draft marginals;
+DFlash2 logits after its logit transform, :func:`~.metrics.draft_blocks`), ``lattice`` (DDTree over
+the selector's lattice), ``chain`` (the selector's greedy walk, or the per-depth argmax: K-1 nodes
+whatever B). Each (drafter, mode) is one row of the report, ``<drafter>[<mode>]``.
+
 Statistics: the metric of a drafter is the pooled mean over positions, ``M = Σ_i S_i / Σ_i n_i``
 (prompt i: ``n_i`` positions, sum ``S_i``). Its standard error, and that of a paired difference
 ``D = Σ_i (S_i^j - S_i^0) / Σ_i n_i``, are cluster-robust over prompts (positions of one prompt are
@@ -47,33 +53,78 @@ __all__ = ["TreeBreakdown", "exit_breakdown", "sequence_block_stats", "laws_by_t
            "cluster_se", "paired_difference", "evaluate_drafters", "format_table", "plot_exit_mass"]
 
 
+def _tree_modes_of(draft, modes) -> list[str]:
+    """A drafter's requested modes (a str or a list of ``auto`` / :data:`~.exit.TREE_MODES`)
+    resolved (:func:`~.metrics.resolve_tree_mode`) and deduplicated, in order. ValueError naming
+    ``tree_modes`` for an unknown mode or ``lattice`` on a drafter without a selector."""
+    from .metrics import resolve_tree_mode
+
+    out = []
+    for m in ([modes] if isinstance(modes, str) else list(modes)):
+        try:
+            r = resolve_tree_mode(draft, m)
+        except ValueError as e:
+            raise ValueError(f"tree_modes: {str(e).partition(': ')[2] or e}") from None
+        if r not in out:
+            out.append(r)
+    if not out:
+        raise ValueError("tree_modes: no tree mode given")
+    return out
+
+
+def _cat_lattices(parts: list, b: int):
+    """Concatenate per-chunk selector lattices over ``b·n_chunk`` blocks (row ``bi·n_chunk + j``)
+    into one over ``b·n`` blocks (row ``bi·n + j``)."""
+    from ..draft.dflash2 import SelectorLattice
+
+    def cat(name):
+        ts = [getattr(p, name) for p in parts]
+        return torch.cat([t.reshape(b, -1, *t.shape[1:]) for t in ts], 1).flatten(0, 1)
+    return SelectorLattice(**{f: cat(f) for f in ("candidate_ids", "unary_logq", "scores", "transition_logq")})
+
+
 @torch.no_grad()
 def sequence_block_stats(target, drafters: Sequence, ids: torch.Tensor, anchors: torch.Tensor,
                          keep: torch.Tensor, budgets: Sequence[int], temperatures: Sequence[float],
                          anchors_per_forward: int | None = None, draft_chunk: int = 64,
+                         tree_modes: Sequence | None = None,
                          ) -> list[dict[tuple[int, float], TreeBreakdown]]:
     """Exit-law breakdown of every drafter's tree at every anchor of a batch of sequences.
 
     Args:
         target: the frozen HF causal LM (``get_decoder``, ``get_input_embeddings``,
             ``get_output_embeddings``); its attention must take a 4-D mask (sdpa / eager).
-        drafters: :class:`~sglang_tev.draft.dflash.DFlashDraftModel` s fitting the target.
+        drafters: :class:`~sglang_tev.draft.dflash.DFlashDraftModel` s fitting the target
+            (DFlash v1 or DFlash2; DFlash2 logits go through its logit transform).
         ids: int64 [b, S] (rows right-padded; padding is never a root nor in a root's context).
         anchors: int64 [b, n], root positions; keep: bool [b, n] (False: skipped, no tree).
             A kept anchor needs ``anchors + K - 1 < max_positions`` of the target and the drafter.
         budgets: DDTree budgets B (non-root nodes); temperatures: target-law temperatures.
         anchors_per_forward: anchors per tree forward (None: the trainer's default).
         draft_chunk: anchors per drafter block forward (bounds the block mask).
+        tree_modes: per drafter, a mode or a list of modes, each ``auto`` or one of
+            :data:`~.exit.TREE_MODES` (:func:`~.metrics.resolve_tree_mode`; ``auto``: ``lattice``
+            for a drafter with a selector, else ``marginal``); None = ``auto`` for every drafter.
+            ``chain`` (K-1 nodes) ignores B: its breakdown is the same object under every B.
     Returns:
-        per drafter, ``{(B, T): TreeBreakdown}`` with [b*n] rows (row ``bi*n + j`` = anchor
-        ``anchors[bi, j]``; rows of dropped anchors are present and meaningless: mask with ``keep``).
+        one ``{(B, T): TreeBreakdown}`` per (drafter, resolved mode), drafter-major, modes in the
+        order given (deduplicated; with ``tree_modes`` None: one per drafter); [b*n] rows (row
+        ``bi*n + j`` = anchor ``anchors[bi, j]``; rows of dropped anchors are present and
+        meaningless: mask with ``keep``).
+    Raises:
+        ValueError naming ``tree_modes`` (wrong length, unknown mode, ``lattice`` without a selector).
     """
     from transformers import DynamicCache
 
     from ..draft.dflash import extract_context_features
     from ..hf.static_cache import cache_kwargs
-    from .losses import block_logits
+    from .metrics import draft_blocks
 
+    if tree_modes is None:
+        tree_modes = ["auto"] * len(drafters)
+    if isinstance(tree_modes, str) or len(tree_modes) != len(drafters):
+        raise ValueError(f"tree_modes: expected one entry per drafter ({len(drafters)}), got {tree_modes!r}")
+    modes = [_tree_modes_of(d, m) for d, m in zip(drafters, tree_modes)]
     decoder, embed, head = target.get_decoder(), target.get_input_embeddings(), target.get_output_embeddings()
     mask_dtype = next(target.parameters()).dtype
     cache = DynamicCache()
@@ -82,22 +133,28 @@ def sequence_block_stats(target, drafters: Sequence, ids: torch.Tensor, anchors:
     b, n = anchors.shape
     roots = ids.gather(1, anchors).reshape(-1)
     res = []
-    for draft in drafters:
+    for draft, dmodes in zip(drafters, modes):
         K = draft.config.block_size
+        has_selector = getattr(draft.config, "selector_rank", None) is not None
+        block_mode = "lattice" if has_selector and any(m in ("lattice", "chain") for m in dmodes) else "marginal"
         feats = extract_context_features(out.hidden_states, draft.config.target_layer_ids)
-        chunks = []
+        chunks, lats = [], []
         for j0 in range(0, n, draft_chunk):
             sl = slice(j0, min(n, j0 + draft_chunk))
-            lg, _ = block_logits(draft.forward_train, embed, head, feats, ids, anchors[:, sl], keep[:, sl], K,
-                                 draft.config.mask_token_id)
+            lg, _, lat = draft_blocks(draft, embed, head, feats, ids, anchors[:, sl], keep[:, sl], K, block_mode)
             chunks.append(lg)
+            lats.append(lat)
         logits = torch.cat(chunks, 1).reshape(b * n, K - 1, -1)          # [b*n, H, V]
-        per = {}
-        for B in budgets:
-            brs = tree_breakdowns(logits, B, roots, keep.reshape(-1), kv_reuse_forward(decoder, cache), head, last,
-                                  anchors, temperatures, anchors_per_forward, mask_dtype)
-            per.update({(B, t): br for t, br in zip(temperatures, brs)})
-        res.append(per)
+        lattice = _cat_lattices(lats, b) if block_mode == "lattice" else None
+        for mode in dmodes:
+            per = {}
+            for B in (budgets[:1] if mode == "chain" else budgets):
+                brs = tree_breakdowns(logits, B, roots, keep.reshape(-1), kv_reuse_forward(decoder, cache), head,
+                                      last, anchors, temperatures, anchors_per_forward, mask_dtype,
+                                      lattice=lattice if mode != "marginal" else None, mode=mode)
+                for B2 in (budgets if mode == "chain" else [B]):
+                    per.update({(B2, t): br for t, br in zip(temperatures, brs)})
+            res.append(per)
     return res
 
 
@@ -186,7 +243,8 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
                       budgets: Sequence[int] = (64,), max_new_tokens: int = 128, seed: int = 0,
                       output_dir=None, cache_dir=None, chat_template: bool = True, batch_size: int = 16,
                       device: torch.device | None = None, anchors_per_forward: int | None = None,
-                      progress: bool = True, command: str | None = None) -> dict:
+                      progress: bool = True, command: str | None = None, tree_modes: Sequence[str] = ("auto",),
+                      draft_tree_modes: Sequence | None = None) -> dict:
     """Compare drafters on the target's own continuations (the Python API of ``eval-drafter``).
 
     Args:
@@ -196,20 +254,28 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
         temperatures: target temperatures (continuations AND the law at each); budgets: DDTree B.
         max_new_tokens: continuation length at most (EOS ends one early).
         seed: the continuations' sampling seed (batch i: ``seed * 1_000_003 + i``).
+        tree_modes: how each drafter's block becomes a tree, ``auto`` or :data:`~.exit.TREE_MODES`
+            (``auto``: ``lattice`` for a DFlash2 drafter with a selector, else ``marginal``); each
+            (drafter, resolved mode) is one row of the report, named ``<drafter>[<mode>]``.
+            ``lattice`` on a drafter without a selector is skipped for it with a note (``notes``)
+            when it leaves the drafter another mode, else a ValueError naming ``tree_modes``.
+            ``chain`` (the greedy chain, K-1 nodes) does not depend on B: the same value per B.
+        draft_tree_modes: None, or per drafter None (use ``tree_modes``) or its own list of modes
+            (the CLI's ``--draft DIR@MODES``; errors then name ``draft``).
         output_dir: where ``results.json``, ``table.txt`` and ``exit_mass_by_depth.png`` go
             (None: nothing written); cache_dir: the continuations' cache (None:
             ``output_dir/continuations``).
     Returns:
         the results dict written to ``results.json`` (see docs/cli.md, ``eval-drafter``).
     Raises:
-        ValueError naming ``prompts``, ``budgets``, ``temperatures``, ``max_new_tokens``, ``target``
-        or ``draft``; FileNotFoundError for a missing model directory.
+        ValueError naming ``prompts``, ``budgets``, ``temperatures``, ``max_new_tokens``, ``target``,
+        ``draft`` or ``tree_modes``; FileNotFoundError for a missing model directory.
     """
     from tqdm import tqdm
 
     from ..draft.dflash import DFlashDraftModel
     from ..hf.datasets import applies_chat_template, encode_prompt
-    from .exit import check_tree_support
+    from .exit import TREE_MODES, check_tree_support
     from .target import load_target, text_config
 
     if not draft_paths:
@@ -222,6 +288,16 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
         raise ValueError(f"temperatures must be finite numbers >= 0, got {list(temperatures)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    known = ("auto", *TREE_MODES)
+    if isinstance(tree_modes, str) or not tree_modes or any(m not in known for m in tree_modes):
+        raise ValueError(f"tree_modes: give a non-empty list of {list(known)}, got {tree_modes!r}")
+    if draft_tree_modes is None:
+        draft_tree_modes = [None] * len(draft_paths)
+    if len(draft_tree_modes) != len(draft_paths):
+        raise ValueError(f"draft: {len(draft_tree_modes)} tree-mode overrides for {len(draft_paths)} drafters")
+    for dm in draft_tree_modes:
+        if dm is not None and (isinstance(dm, str) or not dm or any(m not in known for m in dm)):
+            raise ValueError(f"draft: tree modes must be a non-empty list of {list(known)}, got {dm!r}")
     for p in draft_paths:
         if not os.path.isdir(p):
             raise FileNotFoundError(f"draft: no drafter directory at {os.fspath(p)!r}")
@@ -242,6 +318,21 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
             raise ValueError(f"draft: {os.fspath(p)}: {e}") from None
         drafters.append(d)
         names.append(_drafter_name(p, names))
+    # rows: (drafter index, resolved tree mode)
+    rows, notes = [], []
+    for k, (d, p) in enumerate(zip(drafters, draft_paths)):
+        asked, arg = (tree_modes, "tree_modes") if draft_tree_modes[k] is None else (draft_tree_modes[k], "draft")
+        has_selector = getattr(d.config, "selector_rank", None) is not None
+        kept = [m for m in asked if has_selector or m != "lattice"]
+        if not kept:
+            raise ValueError(f"{arg}: {os.fspath(p)}: 'lattice' needs a DFlash2 drafter with a candidate selector; "
+                             "this one has none (measure it as marginal or chain)")
+        if len(kept) < len(asked):
+            notes.append(f"{names[k]}: no candidate selector, tree mode 'lattice' skipped")
+            print(f"eval-drafter: note: {notes[-1]}", file=sys.stderr)
+        rows.extend((k, m) for m in _tree_modes_of(d, kept))
+    row_names = [f"{names[k]}[{m}]" for k, m in rows]
+    row_modes = {k: [m for k2, m in rows if k2 == k] for k in range(len(drafters))}
     K = max(d.config.block_size for d in drafters)
     max_pos = int(getattr(tcfg, "max_position_embeddings", 1 << 30))
     prompt_ids = []
@@ -263,8 +354,8 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
                                    batch_size, device, progress)
         conts[t] = (path, resp)
     t_gen = time.perf_counter() - t0
-    # per (drafter, T, B): per-prompt sums of every breakdown field; counts per (T, prompt)
-    sums = {(k, t, b): {f: [] for f in (*BREAKDOWN_KEYS, "w_depth")} for k in range(len(drafters))
+    # per (row, T, B): per-prompt sums of every breakdown field; counts per (T, prompt)
+    sums = {(r, t, b): {f: [] for f in (*BREAKDOWN_KEYS, "w_depth")} for r in range(len(rows))
             for t in temps for b in budgets}
     counts = {t: [] for t in temps}
     bar = tqdm(total=len(temps) * len(prompts), desc="eval-drafter", unit="prompt", file=sys.stderr,
@@ -283,11 +374,12 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
                         if key[1] == t:
                             for f in BREAKDOWN_KEYS:
                                 sums[key][f].append(0.0)
-                            sums[key]["w_depth"].append([0.0] * drafters[key[0]].config.block_size)
+                            sums[key]["w_depth"].append([0.0] * drafters[rows[key[0]][0]].config.block_size)
                     bar.update(1)
                     continue
                 stats = sequence_block_stats(target, drafters, x, anchors, keep, list(budgets), [t],
-                                             anchors_per_forward)
+                                             anchors_per_forward,
+                                             tree_modes=[row_modes[k] for k in range(len(drafters))])
                 for k, per in enumerate(stats):
                     for b in budgets:
                         br = per[(b, t)]
@@ -304,25 +396,28 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
         n = counts[t]
         for b in budgets:
             base = sums[(0, t, b)]
-            for k, name in enumerate(names):
-                s = sums[(k, t, b)]
-                rec = {"drafter": name, "draft_path": os.fspath(draft_paths[k]), "temperature": t, "budget": b,
+            for r, name in enumerate(row_names):
+                k, mode = rows[r]
+                s = sums[(r, t, b)]
+                rec = {"drafter": name, "drafter_name": names[k], "tree_mode": mode,
+                       "draft_path": os.fspath(draft_paths[k]), "temperature": t, "budget": b,
                        "positions": sum(n), "prompts": len(n)}
                 for f in BREAKDOWN_KEYS:
                     rec[f], rec[f + "_se"] = cluster_se(s[f], n)
                 depth = list(zip(*s["w_depth"]))
                 rec["w_depth"] = [sum(col) / sum(n) for col in depth]
-                if k > 0:
+                if r > 0:
                     d, se = paired_difference(s["block_len"], base["block_len"], n)
                     ref = cluster_se(base["block_len"], n)[0]
                     rec["diff_vs_first"] = {"block_len": d, "block_len_se": se, "pct": 100 * d / ref,
-                                            "pct_se": 100 * se / ref, "baseline": names[0]}
+                                            "pct_se": 100 * se / ref, "baseline": row_names[0]}
                 rec["per_prompt"] = {"positions": n, "block_len_sum": s["block_len"], "w_root_sum": s["w_root"]}
                 results.append(rec)
     import platform
 
     rep = {"command": command, "target": os.fspath(target_path), "drafters": names,
            "draft_paths": [os.fspath(p) for p in draft_paths],
+           "tree_modes": list(tree_modes), "rows": row_names, "row_modes": [m for _, m in rows], "notes": notes,
            "temperatures": temps, "budgets": list(budgets), "max_new_tokens": max_new_tokens, "seed": seed,
            "prompts": [p.id for p in prompts],
            "chat_template": applies_chat_template(tokenizer, chat_template),
@@ -340,21 +435,24 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
 
 
 def format_table(rep: dict) -> str:
-    """The plain-text table of :func:`evaluate_drafters`' results (one row per drafter, T, B)."""
-    hdr = f"{'T':>4} {'B':>5} {'drafter':<20} {'1+C_p':>8} {'± SE':>7} {'root':>6} {'inner':>6} {'cut':>6} " \
+    """The plain-text table of :func:`evaluate_drafters`' results (one row per (drafter, tree mode),
+    T, B; a ``chain`` row's B is irrelevant: the chain has K-1 nodes whatever B)."""
+    w = max([20] + [len(r["drafter"]) for r in rep["results"]])
+    hdr = f"{'T':>4} {'B':>5} {'drafter':<{w}} {'1+C_p':>8} {'± SE':>7} {'root':>6} {'inner':>6} {'cut':>6} " \
           f"{'horizon':>7} {'Δ vs first':>11} {'± SE':>7} {'Δ %':>7} {'± SE':>6}"
     lines = [hdr]
     for r in rep["results"]:
         d = r.get("diff_vs_first")
         tail = "" if d is None else f" {d['block_len']:+11.4f} {d['block_len_se']:7.4f} {d['pct']:+6.2f}% {d['pct_se']:5.2f}%"
-        lines.append(f"{r['temperature']:>4g} {r['budget']:>5} {r['drafter'][:20]:<20} {r['block_len']:8.4f} "
+        lines.append(f"{r['temperature']:>4g} {r['budget']:>5} {r['drafter']:<{w}} {r['block_len']:8.4f} "
                      f"{r['block_len_se']:7.4f} {r['w_root']:6.3f} {r['w_inner']:6.3f} {r['w_cut']:6.3f} "
                      f"{r['w_horizon']:7.3f}" + tail)
     return "\n".join(lines)
 
 
 def plot_exit_mass(rep: dict, path) -> None:
-    """Exit mass by depth (mean over positions), one panel per temperature, a line per (drafter, B)."""
+    """Exit mass by depth (mean over positions), one panel per temperature, a line per (row, B)
+    (a ``chain`` row once: it does not depend on B)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -364,9 +462,11 @@ def plot_exit_mass(rep: dict, path) -> None:
     fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.6), squeeze=False)
     for ax, t in zip(axes[0], temps):
         for r in rep["results"]:
-            if r["temperature"] == t:
+            chain = r.get("tree_mode") == "chain"
+            if r["temperature"] == t and not (chain and r["budget"] != rep["budgets"][0]):
+                budget = "" if chain else f" B={r['budget']}"
                 ax.plot(range(len(r["w_depth"])), r["w_depth"], marker="o", ms=3,
-                        label=f"{r['drafter']} B={r['budget']} (1+C_p {r['block_len']:.3f})")
+                        label=f"{r['drafter']}{budget} (1+C_p {r['block_len']:.3f})")
         ax.set_title(f"T = {t:g}")
         ax.set_xlabel("exit depth (0 = root)")
         ax.set_ylabel("mean exit mass")
