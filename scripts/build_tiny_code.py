@@ -10,13 +10,15 @@ Nothing can be downloaded, so the pair is trained here, seeded and reproducible,
   draft      DFlash drafter (2 layers, block size 16) trained by sglang_tev.train on the target's
              own features over the training split; resumes from the trainer's checkpoints in
              OUTDIR/draft_train/; ships bf16 in the z-lab layout; held-out per-depth accuracy/CE
+  draft2     (opt-in) a DFlash2 drafter (grouped conv + candidate selector) with the draft stage's
+             recipe and compute, plus the selector's teacher-forced term; OUTDIR/draft2_train/
   exittrain  that drafter fine-tuned by ExitTrain on 1,024 target rollouts of prompts cut from the
              training split (token CE + exit loss under the T = 0 law; docs/exittrain.md, arm D);
              resumes from OUTDIR/exittrain_train/; held-out accuracy and 1 + C_p before and after
   bench      sglang-tev bench on HumanEval prompts with the exittrain drafter (every method;
              budgets 32/64/128; T 0 and 1)
-  ship       (only when asked for) copy target/, exittrain/ (as draft/) and draft/ (as
-             draft-base/) into sglang_tev/assets/tiny-code/
+  ship       (only when asked for) copy target/, exittrain/ (as draft/), draft/ (as
+             draft-base/) and, when built, draft2/ into sglang_tev/assets/tiny-code/
 
 Each stage writes OUTDIR/<stage>/ through a temp dir and one rename, so a stage directory either
 is complete or does not exist; a complete stage is skipped unless --force. Docs: docs/tiny-code.md.
@@ -449,6 +451,37 @@ def draft_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
             "target_sha256": sha256_file(out / "target" / "model.safetensors")}
 
 
+@dataclasses.dataclass(frozen=True)
+class Draft2Config:
+    """What the draft2 stage (a DFlash2 drafter, issue 28) adds to the draft stage's DraftConfig:
+    the same layers, data, steps, batch, anchors, schedule and distillation (the same compute as
+    `draft-base/`), plus the grouped conv and the candidate selector with its teacher-forced term.
+    Conv taps / group and selector top-k follow the public DFlash2 configs (SpecForge's
+    qwen3.6-27b-dflash2.json: kernel 2, group 16, top-k 16); the rank is scaled to the tiny hidden
+    size (that config: 256 at hidden 5120). Selector labels: the target's law over the candidates,
+    as the backbone distils the target's law."""
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 32
+    selector_top_k: int = 16
+    selector_weight: float = 1.0
+    selector_labels: str = "target"
+
+
+FULL_DRAFT2 = Draft2Config()
+QUICK_DRAFT2 = Draft2Config(selector_rank=8, selector_top_k=8)
+
+
+def draft2_config_for(cfg: Config) -> Draft2Config:
+    return QUICK_DRAFT2 if is_quick(cfg) else FULL_DRAFT2
+
+
+def draft2_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
+    d2 = draft2_config_for(cfg)
+    return {**draft_fingerprint(cfg, seed, out), **{f"dflash2_{f.name}": getattr(d2, f.name)
+                                                   for f in dataclasses.fields(Draft2Config)}}
+
+
 def training_dir(args, work: Path, fingerprint: dict, input_name: str) -> Path:
     """The resume directory of a stage that runs sglang_tev.train: emptied by --force, refused
     when it holds another config's (or another ``input_name``'s) checkpoints, stamped with the
@@ -476,13 +509,23 @@ def run_trainer(run_cfg: dict):
 
 
 def build_draft(args, cfg: Config, out: Path) -> dict | None:
+    return _train_drafter(args, cfg, out, "draft")
+
+
+def build_draft2(args, cfg: Config, out: Path) -> dict | None:
+    """The draft stage's recipe and compute for a DFlash2 drafter (conv + selector), from scratch."""
+    return _train_drafter(args, cfg, out, "draft2")
+
+
+def _train_drafter(args, cfg: Config, out: Path, stage: str) -> dict | None:
     import torch
 
     if stage_record(out, "target") is None:
-        raise UsageExit(f"argument --stages: 'draft' needs {out / 'target'}; run the target stage first")
+        raise UsageExit(f"argument --stages: '{stage}' needs {out / 'target'}; run the target stage first")
     dcfg = draft_config_for(cfg)
-    fingerprint = draft_fingerprint(cfg, args.seed, out)
-    work = training_dir(args, out / "draft_train", fingerprint, "target")
+    d2 = draft2_config_for(cfg) if stage == "draft2" else None
+    fingerprint = (draft2_fingerprint if d2 else draft_fingerprint)(cfg, args.seed, out)
+    work = training_dir(args, out / f"{stage}_train", fingerprint, "target")
     mask_id = stage_record(out, "tokenizer")["summary"]["mask_id"]
     run_cfg = {
         "target": str(out / "target"), "data": str(out / "tokenizer" / "train.npy"),
@@ -498,10 +541,15 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
                   "block_size": dcfg.block_size, "target_layer_ids": list(dcfg.target_layer_ids),
                   "mask_token_id": mask_id},
     }
+    if d2 is not None:
+        run_cfg["draft"].update(architecture="DFlash2DraftModel", conv_kernel_size=d2.conv_kernel_size,
+                                conv_group_size=d2.conv_group_size, selector_rank=d2.selector_rank,
+                                selector_top_k=d2.selector_top_k)
+        run_cfg["loss"]["selector"] = {"weight": d2.selector_weight, "labels": d2.selector_labels}
     t0 = time.perf_counter()
     res = run_trainer(run_cfg)
     if not res.complete:
-        print(f"draft: stopped at step {res.step}/{dcfg.steps} (--max-steps); rerun to resume", file=sys.stderr)
+        print(f"{stage}: stopped at step {res.step}/{dcfg.steps} (--max-steps); rerun to resume", file=sys.stderr)
         return None
     logs = [json.loads(ln) for ln in (work / "train_log.jsonl").read_text().splitlines()]
 
@@ -518,15 +566,19 @@ def build_draft(args, cfg: Config, out: Path) -> dict | None:
                "heldout_acc": _clean(ev["acc"], 4), "heldout_ce": _clean(ev["ce"], 4),
                "wall_s": train_s, "device": next(drafter.parameters()).device.type,
                "threads": torch.get_num_threads(), "torch": torch.__version__}
-    tmp = fresh_tmp(out, "draft")
+    if d2 is not None:
+        summary.update(architecture="DFlash2DraftModel", **{f"dflash2_{k}": v for k, v in dataclasses.asdict(d2).items()},
+                       heldout_sel_recall=round(ev["sel_recall"], 4), heldout_sel_acc=round(ev["sel_acc"], 4),
+                       heldout_unary_acc=round(ev["unary_acc"], 4))
+    tmp = fresh_tmp(out, stage)
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(res.final_dir / name, tmp / name)
     write_json(tmp / "metrics.json", {**summary, "heldout": ev})
     shutil.copyfile(work / "train_log.jsonl", tmp / "train_log.jsonl")
     write_json(tmp / "stage.json", {"fingerprint": fingerprint, "summary": summary})
-    publish(tmp, out / "draft")
+    publish(tmp, out / stage)
     shutil.rmtree(work)  # checkpoints only serve resuming; the stage is complete now
-    print_heldout("draft", ev)
+    print_heldout(stage, ev)
     return summary
 
 
@@ -805,6 +857,8 @@ def build_bench(args, cfg: Config, out: Path) -> dict | None:
 def ship_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
     return {"draft_sha256": sha256_file(out / "exittrain" / "model.safetensors"),
             "draft_base_sha256": sha256_file(out / "draft" / "model.safetensors"),
+            **({"draft2_sha256": sha256_file(out / "draft2" / "model.safetensors")}
+               if (out / "draft2" / "model.safetensors").exists() else {}),
             "target_sha256": sha256_file(out / "target" / "model.safetensors")}
 
 
@@ -812,7 +866,9 @@ def ship_fingerprint(cfg: Config, seed: int, out: Path) -> dict:
 SHIP_FILES = {"target": ("target", ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                                     "tokenizer_config.json", "special_tokens_map.json", "metrics.json")),
               "draft": ("exittrain", ("config.json", "model.safetensors", "metrics.json")),
-              "draft-base": ("draft", ("config.json", "model.safetensors", "metrics.json"))}
+              "draft-base": ("draft", ("config.json", "model.safetensors", "metrics.json")),
+              "draft2": ("draft2", ("config.json", "model.safetensors", "metrics.json"))}
+OPTIONAL_SHIP = {"draft2"}  # shipped when its stage is complete
 
 
 def model_card(out: Path) -> str:
@@ -943,6 +999,8 @@ def build_ship(args, cfg: Config, out: Path) -> dict | None:
     shutil.rmtree(staging, ignore_errors=True)
     total = 0
     for part, (stage, names) in SHIP_FILES.items():
+        if part in OPTIONAL_SHIP and stage_record(out, stage) is None:
+            continue
         (staging / part).mkdir(parents=True)
         for name in names:
             src = out / stage / name
@@ -967,6 +1025,7 @@ STAGES = {
     "tokenizer": (build_tokenizer, lambda cfg, seed, out: tokenizer_fingerprint(cfg, seed)),
     "target": (build_target, target_fingerprint),
     "draft": (build_draft, draft_fingerprint),
+    "draft2": (build_draft2, draft2_fingerprint),  # opt-in: not in the default --stages
     "exittrain": (build_exittrain, exittrain_fingerprint),
     "bench": (build_bench, bench_fingerprint),
     "ship": (build_ship, ship_fingerprint),

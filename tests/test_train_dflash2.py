@@ -296,3 +296,11 @@ def test_torchrun_two_gloo_ranks_match_one_process_with_the_selector_and_lattice
     wb = load_file(str(tiny / "d2ddp2" / "final" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_the_clis_tree_mode_choices_are_the_trainers():
+    """The CLI keeps its own list (parsing does not import torch); it must name the same modes."""
+    from sglang_tev.cli import TREE_MODE_CHOICES
+    from sglang_tev.train.exit import TREE_MODES
+
+    assert TREE_MODE_CHOICES == ("auto", *TREE_MODES)
