@@ -85,7 +85,7 @@ def measure(args) -> None:
     run(cli + ["eval-drafter", "--target", tgt, "--no-chat-template",
                "--draft", f"{d1}@marginal,chain", "--draft", f"{d0}@marginal,chain",
                "--draft", f"{d2}@lattice,marginal,chain", "--prompts", str(prompts),
-               "--temperatures", "0,1", "--budgets", "32,64", "--max-new-tokens", "128", "--seed", "0",
+               "--temperatures", "0,1", "--budgets", args.eval_budgets, "--max-new-tokens", "128", "--seed", "0",
                "--cache-dir", str(out / "continuations"), "--output", str(out / "eval"), "--overwrite",
                "--no-progress"], cmds, env)
     common = ["--target", tgt, "--no-chat-template", "--dataset", str(prompts), "--budgets", "32,64",
@@ -96,7 +96,8 @@ def measure(args) -> None:
         run(cli + ["bench", "--draft", d2, "--methods", "autoregressive,chain,tev", "--draft-modes", "lattice,marginal",
                    "--output", str(out / f"bench-draft2-{i}")] + common, cmds, env)
     (out / "summary.json").write_text(json.dumps({"machine": machine(), "threads": args.threads,
-                                                  "prompts": args.prompts, "commands": cmds,
+                                                  "prompts": args.prompts, "eval_budgets": args.eval_budgets,
+                                                  "bench_rounds": args.bench_rounds, "commands": cmds,
                                                   "tables": tables(out)}, indent=2) + "\n")
 
 
@@ -174,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=32, help="held-out test prompts used (default 32 of 96)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--bench-rounds", type=int, default=2, help="interleaved bench runs per drafter (default 2)")
+    p.add_argument("--eval-budgets", default="32,64", help="eval-drafter budgets (default 32,64)")
     p.add_argument("--report", type=Path, metavar="OUT", help="print the tables of a finished run and exit")
     args = p.parse_args(argv)
     if args.report is not None:
