@@ -64,6 +64,23 @@ def runtime_round(gen, ids, budget, temperature, monkeypatch):
     return got["tree"], got["logits"]
 
 
+
+def node_laws(target, ctx, tree, law):
+    """``(parents, tokens, probs [N, V])`` of a one-row tree: per node v, ``law(logits)`` of the
+    target's float64 logits after ``ctx ‖ π(v)`` from a plain forward (no tree mask involved)."""
+    parents, tokens = tree.host()
+    parents, tokens = parents[0], tokens[0]
+    probs = []
+    with torch.no_grad():
+        for v in range(len(parents)):
+            path, u = [], v
+            while u > 0:
+                path.append(tokens[u])
+                u = parents[u]
+            lg = target(input_ids=torch.tensor([ctx + path[::-1]])).logits[0, -1].double()
+            probs.append(law(lg).numpy())
+    return parents, tokens, np.stack(probs)
+
 def test_exact_block_length_matches_runtime_trees_per_node_enumeration_and_tev_monte_carlo(shipped, monkeypatch):
     target, draft, gen, ids = shipped
     x = torch.tensor([ids])
@@ -84,18 +101,8 @@ def test_exact_block_length_matches_runtime_trees_per_node_enumeration_and_tev_m
         # B = 4: each node's target law from a plain forward over x_{<=a} ‖ π(v); the exit law by
         # walking every target continuation (no library exit law)
         tree, _ = runtime_round(gen, ctx, 4, 1.0, monkeypatch)
-        parents, tokens = tree.host()
-        parents, tokens = parents[0], tokens[0]
-        probs = []
-        with torch.no_grad():
-            for v in range(len(parents)):
-                path, u = [], v
-                while u > 0:
-                    path.append(tokens[u])
-                    u = parents[u]
-                seq = torch.tensor([ctx + path[::-1]])
-                probs.append(torch.softmax(target(input_ids=seq).logits[0, -1].double(), -1).numpy())
-        law = enumerate_exit_law(parents, tokens, np.stack(probs))
+        parents, tokens, probs = node_laws(target, ctx, tree, lambda lg: torch.softmax(lg, -1))
+        law = enumerate_exit_law(parents, tokens, probs)
         depth = [0] * len(parents)
         for v in range(1, len(parents)):
             depth[v] = depth[parents[v]] + 1

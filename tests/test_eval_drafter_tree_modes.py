@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from exact_law import enumerate_exit_law
+from test_eval_drafter import node_laws
 from sglang_tev.draft.ddtree import build_ddtree, build_ddtree_topk
 from sglang_tev.draft.dflash import DFlashConfig, DFlashDraftModel, extract_context_features
 from sglang_tev.draft.dflash2 import selector_walk
@@ -103,20 +104,10 @@ def _chain(root, tokens):
 def _exact(target, ctx, tree, temperature):
     """(1 + C_p, exit mass by depth) of ``tree`` under the target's law at ``temperature``: plain
     forwards per node, exit law by enumeration."""
-    parents, tokens = tree.host()
-    parents, tokens = parents[0], tokens[0]
-    probs = []
-    with torch.no_grad():
-        for v in range(len(parents)):
-            path, u = [], v
-            while u > 0:
-                path.append(tokens[u])
-                u = parents[u]
-            lg = target(input_ids=torch.tensor([ctx + path[::-1]])).logits[0, -1].double()
-            p = torch.nn.functional.one_hot(lg.argmax(), lg.numel()).double() if temperature == 0 \
-                else torch.softmax(lg / temperature, -1)
-            probs.append(p.numpy())
-    mass = enumerate_exit_law(parents, tokens, np.stack(probs)).sum(1)
+    parents, tokens, probs = node_laws(
+        target, ctx, tree, lambda lg: torch.nn.functional.one_hot(lg.argmax(), lg.numel()).double()
+        if temperature == 0 else torch.softmax(lg / temperature, -1))
+    mass = enumerate_exit_law(parents, tokens, probs).sum(1)
     depth = [0] * len(parents)
     for v in range(1, len(parents)):
         depth[v] = depth[parents[v]] + 1

@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sglang_tev.draft.dflash import DFlashDraftModel
 from sglang_tev.draft.dflash2 import CandidateSelector
