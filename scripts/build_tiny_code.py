@@ -877,6 +877,13 @@ def model_card(out: Path) -> str:
     tgt = json.loads((out / "target" / "metrics.json").read_text())
     base = json.loads((out / "draft" / "metrics.json").read_text())
     drf = json.loads((out / "exittrain" / "metrics.json").read_text())
+    draft2_row = ""
+    if (out / "draft2" / "metrics.json").exists():  # the opt-in draft2 stage (issue 28)
+        d2 = json.loads((out / "draft2" / "metrics.json").read_text())
+        draft2_row = (f"| DFlash2 drafter | DFlash2, the same layers, grouped conv (kernel {d2['dflash2_conv_kernel_size']}, "
+                      f"group {d2['dflash2_conv_group_size']}), candidate selector (rank {d2['dflash2_selector_rank']}, "
+                      f"top-k {d2['dflash2_selector_top_k']}); draft-base/'s recipe and steps | {d2['params']:,} | "
+                      "`draft2/model.safetensors` (bf16, z-lab layout; `docs/tiny-code.md`, stage draft2) |\n")
     records = json.loads((out / "bench" / "results.json").read_text())
     E = ExitConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in drf["exittrain"].items()})
     bl, bl0 = drf["heldout_block_len"], drf["before"]["heldout_block_len"]
@@ -931,7 +938,7 @@ generated tables excluded): {tok.get("files_train", "?")} training files, {tok.g
 | target | Qwen3ForCausalLM, hidden {tc["hidden_size"]}, {tc["num_hidden_layers"]} layers, {tc["num_attention_heads"]}/{tc["num_key_value_heads"]} heads, tied embeddings, {tc["max_position_embeddings"]} positions | {tgt.get("params", "?"):,} | `target/model.safetensors` (bf16) |
 | drafter (default) | DFlash, {drf["layers"]} layers, block size {drf["block_size"]}, target layers {drf["target_layer_ids"]}, ExitTrain fine-tuned | {drf["params"]:,} | `draft/model.safetensors` (bf16, z-lab layout) |
 | drafter before ExitTrain | the same architecture | {base["params"]:,} | `draft-base/model.safetensors` (bf16, z-lab layout) |
-
+{draft2_row}
 Training: the target is a causal LM on the training split ({tgt.get("steps", "?")} updates); the drafter is trained
 by `sglang_tev.train` on the frozen target's features, {FULL_DRAFT.steps} steps x {FULL_DRAFT.batch * FULL_DRAFT.anchors} blocks
 of {FULL_DRAFT.block_size} over {FULL_DRAFT.seq_len}-token windows, loss = soft-target CE against the target's own

@@ -65,16 +65,19 @@ def _at_least(flag: str, value: int, low: int) -> None:
 
 
 def default_model_paths() -> tuple[Path, Path]:
-    """(target, draft) of the shipped pair, ``sglang_tev/assets/tiny-code/{target,draft}``.
+    """(target, draft) of the shipped pair, ``sglang_tev/assets/tiny-code/{target,draft2}`` (the
+    default drafter is the DFlash2 one, :data:`sglang_tev.hf.assets.DEFAULT_DRAFT`).
 
     Raises:
         FileNotFoundError: the pair is not installed there.
     """
+    from .hf.assets import DEFAULT_DRAFT
+
     root = Path(ASSETS_DIR)
-    target, draft = root / "target", root / "draft"
+    target, draft = root / "target", root / DEFAULT_DRAFT
     if not (target.is_dir() and draft.is_dir()):
         raise FileNotFoundError(f"no --target given and the shipped model pair is not installed at {root} "
-                                "(expected target/ and draft/ there); pass --target and --draft")
+                                f"(expected target/ and {DEFAULT_DRAFT}/ there); pass --target and --draft")
     return target, draft
 
 

@@ -20,7 +20,7 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 @pytest.fixture(scope="module")
 def gen():
     target, draft = default_model_paths()
-    assert Path(target) == ASSETS / "target" and Path(draft) == ASSETS / "draft"
+    assert Path(target) == ASSETS / "target" and Path(draft) == ASSETS / "draft2"  # the DFlash2 drafter
     return SpeculativeGenerator.from_pretrained(target, draft, device="cpu")
 
 
@@ -29,7 +29,7 @@ def test_files_are_small_bf16_safetensors():
     assert total <= 25 * 2**20, total
     from safetensors import safe_open
 
-    for part in ("target", "draft", "draft-base"):
+    for part in ("target", "draft", "draft-base", "draft2"):
         with safe_open(str(ASSETS / part / "model.safetensors"), "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = json.loads((ASSETS / "draft" / "config.json").read_text())
@@ -64,3 +64,20 @@ def test_readme_command_runs():
                        capture_output=True, timeout=300)
     assert p.returncode == 0, p.stderr.decode()
     assert p.stdout.decode().strip() and "tau" in p.stderr.decode()
+
+
+def test_the_dflash2_drafter_drafts_lattice_trees_and_keeps_greedy_exact():
+    """draft2/ (the build's opt-in draft2 stage): a DFlash2 checkpoint in z-lab's layout with a
+    conv and a trained selector; the runtime drafts lattice trees from it by default, greedy output
+    is plain decoding's, and its rounds accept drafts."""
+    cfg = json.loads((ASSETS / "draft2" / "config.json").read_text())
+    d2 = cfg["dflash_config"]  # z-lab / SGLang read the DFlash2 keys there
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and d2["selector_top_k"] == 16 and d2["conv_kernel_size"] == 2
+    m = json.loads((ASSETS / "draft2" / "metrics.json").read_text())
+    assert m["steps"] == json.loads((ASSETS / "draft-base" / "metrics.json").read_text())["steps"]  # same steps
+    gen2 = SpeculativeGenerator.from_pretrained(ASSETS / "target", ASSETS / "draft2", device="cpu")
+    assert gen2.has_selector and gen2.resolve_draft_mode("auto") == "lattice"
+    prompt = "def add(a, b):\n"
+    res = gen2.generate(prompt, max_new_tokens=48, ignore_eos=True)
+    plain = gen2.generate(prompt, method="autoregressive", max_new_tokens=48, ignore_eos=True)
+    assert res.token_ids == plain.token_ids and res.tau > 1.5

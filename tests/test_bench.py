@@ -47,7 +47,7 @@ def jsonl(tmp_path_factory):
     return path
 
 
-def check_results(out_dir, configs, prompts, skipped):
+def check_results(out_dir, configs, prompts, skipped, draft_mode="marginal"):
     """results.json: exactly one record per config with exactly KEYS; consistent with outputs.jsonl."""
     records = json.loads((out_dir / "results.json").read_text())
     assert [(r["method"], r["budget"], r["temperature"]) for r in records] == configs
@@ -62,7 +62,8 @@ def check_results(out_dir, configs, prompts, skipped):
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and 0 <= r["coverage_mean"]
         assert r["tau"] == pytest.approx(1 + r["accept_len_mean"], abs=1e-9) or r["tau"] < 1 + r["accept_len_mean"]
         assert (r["budget"] is None) == (r["method"] in ("autoregressive", "chain"))
-        assert r["draft_mode"] == (None if r["method"] == "autoregressive" else "marginal")  # v1 drafters: auto
+        # auto: marginal for a DFlash v1 drafter, lattice for the shipped DFlash2 one
+        assert r["draft_mode"] == (None if r["method"] == "autoregressive" else draft_mode)
         mine = [o for o in outputs if (o["method"], o["budget"], o["temperature"]) == (r["method"], r["budget"], r["temperature"])]
         emitted = [e for o in mine for e in o["emitted_per_round"]]
         assert r["rounds"] == len(emitted) and r["tau"] == pytest.approx(sum(emitted) / len(emitted))
@@ -157,7 +158,7 @@ def test_bench_cli_default_output_dir(capsys, tmp_path, monkeypatch, pair):
     assert rc == 0, err
     runs = list((tmp_path / "bench-results").iterdir())
     assert len(runs) == 1 and len(runs[0].name) == len("20261130-040000")
-    check_results(runs[0], [("autoregressive", None, 0.0), ("tev", 4, 0.0)], prompts=1, skipped=0)
+    check_results(runs[0], [("autoregressive", None, 0.0), ("tev", 4, 0.0)], prompts=1, skipped=0, draft_mode="lattice")
     assert str(Path("bench-results") / runs[0].name / "results.json") in err
     meta = json.loads((runs[0] / "meta.json").read_text())
     assert meta["target_path"] == str(target) and meta["draft_path"] == str(draft)

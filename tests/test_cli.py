@@ -183,8 +183,8 @@ def test_default_model_paths(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "argument --target: no --target given" in err and "Traceback" not in err
     (tmp_path / "tiny-code" / "target").mkdir(parents=True)
-    (tmp_path / "tiny-code" / "draft").mkdir()
-    assert default_model_paths() == (tmp_path / "tiny-code" / "target", tmp_path / "tiny-code" / "draft")
+    (tmp_path / "tiny-code" / "draft2").mkdir()
+    assert default_model_paths() == (tmp_path / "tiny-code" / "target", tmp_path / "tiny-code" / "draft2")
 
 
 def test_no_command_and_version(capsys):

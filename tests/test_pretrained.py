@@ -16,7 +16,7 @@ PROMPT = "def fibonacci(n):\n"
 
 @pytest.fixture(scope="module")
 def explicit():
-    return SpeculativeGenerator.from_pretrained(SHIPPED / "target", SHIPPED / "draft", device="cpu")
+    return SpeculativeGenerator.from_pretrained(SHIPPED / "target", SHIPPED / "draft2", device="cpu")
 
 
 def test_shipped_pair_by_default_and_by_name(explicit):
@@ -26,7 +26,7 @@ def test_shipped_pair_by_default_and_by_name(explicit):
         assert gen.drafter is not None and gen.tokenizer is not None
         assert gen.config._name_or_path == str(SHIPPED / "target")
         assert gen.generate(PROMPT, budget=16, max_new_tokens=24).token_ids == want
-    assert assets.shipped_pair() == (SHIPPED / "target", SHIPPED / "draft")
+    assert assets.shipped_pair() == (SHIPPED / "target", SHIPPED / "draft2")
 
 
 def test_shipped_target_with_another_drafter_or_none(tmp_path):

@@ -21,17 +21,24 @@ SHIPPED_PAIR = "tiny-code"
 """The name that means the shipped pair (a local directory of that name wins, as in HF)."""
 
 
+DEFAULT_DRAFT = "draft2"
+"""The default drafter of the shipped pair: the DFlash2 drafter (issue 28; it beat the DFlash drafter
+``draft/`` by the rule stated in docs/tiny-code.md, "Stage draft2"). ``draft/`` (DFlash, ExitTrain-tuned)
+and ``draft-base/`` ship beside it."""
+
+
 def shipped_pair(root: str | os.PathLike | None = None) -> tuple[Path, Path]:
-    """(target, draft) directories of the shipped pair (``root`` default :data:`ASSETS_DIR`).
+    """(target, default drafter) directories of the shipped pair (``root`` default
+    :data:`ASSETS_DIR`; the drafter is :data:`DEFAULT_DRAFT`).
 
     Raises:
         FileNotFoundError: the pair is not installed there.
     """
     root = Path(ASSETS_DIR if root is None else root)
-    target, draft = root / "target", root / "draft"
+    target, draft = root / "target", root / DEFAULT_DRAFT
     if not (target.is_dir() and draft.is_dir()):
-        raise FileNotFoundError(f"the shipped model pair is not installed at {root} (expected target/ and draft/ "
-                                "there); pass target= and draft= directories")
+        raise FileNotFoundError(f"the shipped model pair is not installed at {root} (expected target/ and "
+                                f"{DEFAULT_DRAFT}/ there); pass target= and draft= directories")
     return target, draft
 
 
