@@ -880,7 +880,7 @@ def model_card(out: Path) -> str:
     draft2_row = ""
     if (out / "draft2" / "metrics.json").exists():  # the opt-in draft2 stage (issue 28)
         d2 = json.loads((out / "draft2" / "metrics.json").read_text())
-        draft2_row = (f"| DFlash2 drafter | DFlash2, the same layers, grouped conv (kernel {d2['dflash2_conv_kernel_size']}, "
+        draft2_row = (f"| DFlash2 drafter (default) | DFlash2, the same layers, grouped conv (kernel {d2['dflash2_conv_kernel_size']}, "
                       f"group {d2['dflash2_conv_group_size']}), candidate selector (rank {d2['dflash2_selector_rank']}, "
                       f"top-k {d2['dflash2_selector_top_k']}); draft-base/'s recipe and steps | {d2['params']:,} | "
                       "`draft2/model.safetensors` (bf16, z-lab layout; `docs/tiny-code.md`, stage draft2) |\n")
@@ -936,7 +936,7 @@ generated tables excluded): {tok.get("files_train", "?")} training files, {tok.g
 |---|---|---|---|
 | tokenizer | byte-level BPE, {tok.get("vocab", "?")} tokens, `<|endoftext|>` (EOS), `<|mask|>` (DFlash mask) | - | `target/tokenizer.json` |
 | target | Qwen3ForCausalLM, hidden {tc["hidden_size"]}, {tc["num_hidden_layers"]} layers, {tc["num_attention_heads"]}/{tc["num_key_value_heads"]} heads, tied embeddings, {tc["max_position_embeddings"]} positions | {tgt.get("params", "?"):,} | `target/model.safetensors` (bf16) |
-| drafter (default) | DFlash, {drf["layers"]} layers, block size {drf["block_size"]}, target layers {drf["target_layer_ids"]}, ExitTrain fine-tuned | {drf["params"]:,} | `draft/model.safetensors` (bf16, z-lab layout) |
+| {"DFlash drafter (the default before draft2)" if draft2_row else "drafter (default)"} | DFlash, {drf["layers"]} layers, block size {drf["block_size"]}, target layers {drf["target_layer_ids"]}, ExitTrain fine-tuned | {drf["params"]:,} | `draft/model.safetensors` (bf16, z-lab layout) |
 | drafter before ExitTrain | the same architecture | {base["params"]:,} | `draft-base/model.safetensors` (bf16, z-lab layout) |
 {draft2_row}
 Training: the target is a causal LM on the training split ({tgt.get("steps", "?")} updates); the drafter is trained
@@ -944,7 +944,7 @@ by `sglang_tev.train` on the frozen target's features, {FULL_DRAFT.steps} steps 
 of {FULL_DRAFT.block_size} over {FULL_DRAFT.seq_len}-token windows, loss = soft-target CE against the target's own
 next-token distribution (`loss.distill_weight: {FULL_DRAFT.distill_weight:g}`, `loss.token_weight: {FULL_DRAFT.token_weight:g}`),
 decay gamma {FULL_DRAFT.gamma:g}, lr {FULL_DRAFT.lr:g} (recipe and its A/B: `docs/tiny-code.md`); that drafter
-is `draft-base/`. The default drafter `draft/` is `draft-base/` fine-tuned by ExitTrain: {drf.get("rollouts", E.prompts)} target
+is `draft-base/`. The {"DFlash drafter `draft/` (the default until `draft2/`)" if draft2_row else "default drafter `draft/`"} is `draft-base/` fine-tuned by ExitTrain: {drf.get("rollouts", E.prompts)} target
 rollouts (T = {E.rollout_temperature:g}, up to {E.rollout_max_new_tokens} tokens) of prompts cut from the training split, {E.steps} steps,
 loss = token CE on the responses + lambda {E.exit_lambda:g} x exit loss (`loss.exit.mode: {E.exit_mode}`, the paper's
 P(v)·rho(v) weights, computed under the target's T = {E.exit_temperature:g} law, budget {E.budget}), gamma {E.gamma:g},

@@ -148,7 +148,7 @@ examples:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--target", help="target model directory (HF, with tokenizer); default: the shipped tiny-code pair")
-    g.add_argument("--draft", help="DFlash drafter directory (z-lab layout); default without --target: the shipped drafter")
+    g.add_argument("--draft", help="DFlash or DFlash2 drafter directory (z-lab layout); default without --target: the shipped drafter")
     g.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--no-chat-template", action="store_true",
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=METHODS,
                    help="override: autoregressive, chain, or DDTree + a verifier (default: the --verifier)")
     g.add_argument("--draft-mode", choices=DRAFT_MODES, default="auto",
-                   help="DFlash2 drafters (issue 28): 'lattice' = DDTree over the selector's candidate lattice "
+                   help="DFlash2 drafters: 'lattice' = DDTree over the selector's candidate lattice "
                    "(with --method chain: the selector's own greedy / sampled chain), 'marginal' = DDTree over the "
                    "transformed per-depth marginals (--method chain: per-depth argmax); 'auto' (default) = lattice "
                    "when the drafter has a candidate selector, else marginal (DFlash v1 accepts marginal only)")
@@ -752,7 +752,7 @@ def cmd_eval_drafter(args, argv: list[str]) -> int:
         except FileNotFoundError as e:
             raise UsageError("--target", str(e)) from None
         drafts = list(args.draft or [shipped])
-    drafts, draft_modes = zip(*(_draft_with_modes(d) for d in drafts))
+    drafts, draft_modes = zip(*(_draft_with_modes(str(d)) for d in drafts))
     drafts = list(drafts)
     for arg, path in [("--target", target)] + [("--draft", d) for d in drafts]:
         if not os.path.isdir(path):

@@ -297,3 +297,17 @@ def test_cli_bad_tree_modes_name_the_argument(models, tmp_path, capsys, extra, a
                           "--max-new-tokens", "2", "--output", str(out), "--no-progress", *extra], capsys)
     assert rc == 2 and f"argument {arg}:" in err and says in err and "Traceback" not in err, err
     assert not (out / "results.json").exists()
+
+
+def test_cli_without_draft_measures_the_default_drafter(tmp_path, capsys):
+    """No --draft: the shipped default drafter (DFlash2), measured in its auto mode (lattice)."""
+    from sglang_tev.cli import main
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    rc = main(["eval-drafter", "--prompts", str(data), "--max-new-tokens", "6", "--budgets", "4",
+               "--temperatures", "0", "--no-chat-template", "--output", str(tmp_path / "out"), "--no-progress",
+               "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    rep = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert rep["rows"] == ["draft2[lattice]"]

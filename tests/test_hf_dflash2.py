@@ -14,6 +14,7 @@ the one-sequence model's lattice trees, and differ from the marginal trees (nega
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -256,14 +257,17 @@ def test_lattice_modes_refused_for_a_v1_drafter(tmp_path, capsys):
         == plain_greedy(target, [1, 2, 3], 6)
     from sglang_tev.cli import main
 
-    rc = main(["generate", "--draft-mode", "lattice", "--device", "cpu", "--max-new-tokens", "2", "def f():"])
+    from sglang_tev.hf.assets import ASSETS_DIR
+
+    v1 = ["--target", str(Path(ASSETS_DIR) / "target"), "--draft", str(Path(ASSETS_DIR) / "draft")]  # DFlash v1
+    rc = main(["generate", *v1, "--draft-mode", "lattice", "--device", "cpu", "--max-new-tokens", "2", "def f():"])
     err = capsys.readouterr().err
     assert rc == 2 and "argument --draft-mode" in err and "candidate selector" in err, err
     rc = main(["generate", "--draft-mode", "beam", "def f():"])
     assert rc == 2 and "--draft-mode" in capsys.readouterr().err
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt": "def f():"}) + "\n")
-    rc = main(["bench", "--dataset", str(data), "--draft-modes", "lattice", "--device", "cpu", "--output",
+    rc = main(["bench", *v1, "--dataset", str(data), "--draft-modes", "lattice", "--device", "cpu", "--output",
                str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 2 and "argument --draft-modes" in err and "candidate selector" in err, err

@@ -31,9 +31,10 @@ def shipped_as_dflash2(out_dir, seed: int = 0):
         RuntimeError if the v1 weights do not cover every tensor but the conv and the selector.
     """
     from ..draft.dflash import DFlashConfig, DFlashDraftModel
-    from ..hf.assets import shipped_pair
+    from ..hf.assets import ASSETS_DIR
 
-    target_dir, draft_dir = shipped_pair()
+    # the shipped DFlash (v1) drafter, not the default drafter (which is DFlash2 already)
+    target_dir, draft_dir = Path(ASSETS_DIR) / "target", Path(ASSETS_DIR) / "draft"
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
     cfg["architectures"] = ["DFlash2BeamDraftModel"]
     cfg["dflash_config"].update(DFLASH2_TEST_KEYS)
