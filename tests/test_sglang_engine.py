@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu"))
 from hosts import (  # noqa: E402
+    DRAFT,
     TARGET,
     EnginePool,
     first_divergence,
@@ -420,7 +421,7 @@ def test_runtimes_agree_round_by_round(hosts, prompt_ids, hf_model):
     from sglang_tev.hf.runtime import SpeculativeGenerator
 
     out = _tev65(hosts).generate(prompt_ids, greedy_params(MAX_NEW))
-    gen = SpeculativeGenerator.from_pretrained(dtype=torch.bfloat16)
+    gen = SpeculativeGenerator.from_pretrained(TARGET, DRAFT, dtype=torch.bfloat16)  # the drafter SGLang serves here
     runs = [gen.generate(p, method="tev", budget=64, max_new_tokens=n) for p, n in zip(prompt_ids, MAX_NEW)]
     # the tokens: equal up to a bf16 near-tie (the two runtimes' model code rounds differently)
     assert_same_ids([list(r.token_ids) for r in runs], ids_of(out), prompt_ids, hf_model, "transformers runtime vs SGLang")
