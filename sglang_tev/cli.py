@@ -71,14 +71,12 @@ def default_model_paths() -> tuple[Path, Path]:
     Raises:
         FileNotFoundError: the pair is not installed there.
     """
-    from .hf.assets import DEFAULT_DRAFT
-
-    root = Path(ASSETS_DIR)
-    target, draft = root / "target", root / DEFAULT_DRAFT
-    if not (target.is_dir() and draft.is_dir()):
+    try:
+        return _assets.shipped_pair(ASSETS_DIR)
+    except FileNotFoundError:
+        root = Path(ASSETS_DIR)
         raise FileNotFoundError(f"no --target given and the shipped model pair is not installed at {root} "
-                                f"(expected target/ and {DEFAULT_DRAFT}/ there); pass --target and --draft")
-    return target, draft
+                                f"(expected target/ and {_assets.DEFAULT_DRAFT}/ there); pass --target and --draft") from None
 
 
 def _usage_from(exc: Exception, default_arg: str) -> UsageError:
