@@ -115,6 +115,28 @@ def _int_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _budget(s: str):
+    """``auto`` or an int (the DDTree budget)."""
+    if s.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {s!r}") from None
+
+
+def _budget_list(s: str) -> list:
+    return [_budget(x) for x in s.split(",") if x.strip()]
+
+
+def _chosen_budgets(rounds) -> str:
+    """``budget=auto``: the budgets the rounds ran with, most used first (``16x40 24x10 0x2``)."""
+    from collections import Counter
+
+    counts = Counter(r.budget for r in rounds if r.budget is not None)
+    return " ".join(f"{b}x{n}" for b, n in counts.most_common())
+
+
 def _float_list(s: str) -> list[float]:
     try:
         return [float(x) for x in s.split(",") if x.strip()]
@@ -184,7 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("more_prompts", metavar="MORE", nargs="*",
                    help="more prompts: decoded as one batch; stdout then carries one JSON line per prompt, in input order")
     _add_model_args(g)
-    g.add_argument("--budget", type=int, default=64, help="DDTree budget B, non-root nodes (default 64)")
+    g.add_argument("--budget", type=_budget, default="auto",
+                   help="DDTree budget B (non-root nodes), or 'auto' (default): each round's budget chosen to "
+                        "maximise expected tokens/s from the exit law of past rounds and measured round costs; "
+                        "0 rounds are plain decoding steps")
     g.add_argument("--verifier", choices=VERIFIERS, default="tev",
                    help="verifier of the DDTree (and of --method chain) (default tev)")
     g.add_argument("--method", choices=METHODS,
@@ -215,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("--dataset", required=True, help="'humaneval' or a .jsonl file (one 'prompt' or 'messages' per line)")
     b.add_argument("--limit", type=int, help="use the first N prompts")
-    b.add_argument("--budgets", type=_int_list, default=[32, 64, 128], help="DDTree budgets, comma-separated (default 32,64,128)")
+    b.add_argument("--budgets", type=_budget_list, default=["auto", 32, 64, 128],
+                   help="DDTree budgets, comma-separated; 'auto' = the per-round choice of --budget auto "
+                        "(default auto,32,64,128)")
     b.add_argument("--temperatures", type=_float_list, default=[0.0, 1.0], help="comma-separated (default 0,1)")
     b.add_argument("--max-new-tokens", type=int, default=256, help="per prompt (default 256)")
     b.add_argument("--methods", type=_str_list, default=["autoregressive", "chain", "tev", "predraw", "sequential"],
@@ -428,13 +455,14 @@ def _check_generate_args(args) -> None:
         raise UsageError("PROMPT", "the prompt is empty")
     if "-" in args.more_prompts or (args.prompt == "-" and args.more_prompts):
         raise UsageError("PROMPT", "'-' (stdin) must be the only PROMPT")
-    _at_least("--budget", args.budget, 0)
+    if args.budget != "auto":
+        _at_least("--budget", args.budget, 0)
     if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
         raise UsageError("--repetition-penalty", f"must be a finite number > 0, got {args.repetition_penalty}")
     for flag, v in (("--frequency-penalty", args.frequency_penalty), ("--presence-penalty", args.presence_penalty)):
         if not -2.0 <= v <= 2.0:  # OpenAI / SGLang range (rejects NaN too)
             raise UsageError(flag, f"must be in [-2, 2], got {v}")
-    if args.budget > MAX_BUDGET:
+    if args.budget != "auto" and args.budget > MAX_BUDGET:
         raise UsageError("--budget", f"must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) "
                                      f"candidates), got {args.budget}")
     _at_least("--max-new-tokens", args.max_new_tokens, 1)
@@ -593,6 +621,8 @@ def cmd_generate(args) -> int:
     text = streamer.finish(result.token_ids)
     if text and not text.endswith("\n"):
         _summary_gap()
+    if args.budget == "auto" and method in VERIFIERS:
+        extra = extra.replace("budget=auto", f"budget=auto [{_chosen_budgets(result.rounds)}]")
     print(f"[{PROG}] {len(result.token_ids)} tokens, {len(result.rounds)} rounds, tau {result.tau:.2f}, "
           f"{result.tokens_per_s:.1f} tok/s, finish={result.finish_reason}{extra}", file=sys.stderr, flush=True)
     return 0
@@ -608,11 +638,12 @@ def cmd_bench(args, argv: list[str]) -> int:
         _at_least("--limit", args.limit, 1)
     _at_least("--max-new-tokens", args.max_new_tokens, 1)
     _at_least("--repeats", args.repeats, 1)
-    if any(b > MAX_BUDGET for b in args.budgets):
+    fixed = [b for b in args.budgets if b != "auto"]
+    if any(b > MAX_BUDGET for b in fixed):
         raise UsageError("--budgets", f"budgets must be <= {MAX_BUDGET}, got {args.budgets}")
     if not args.budgets and any(m in VERIFIERS for m in args.methods):
         raise UsageError("--budgets", "give at least one budget")
-    if any(b < 0 for b in args.budgets):
+    if any(b < 0 for b in fixed):
         raise UsageError("--budgets", f"budgets must be >= 0, got {args.budgets}")
     if not args.temperatures or any(not (t >= 0) or math.isinf(t) for t in args.temperatures):
         raise UsageError("--temperatures", f"temperatures must be finite numbers >= 0, got {args.temperatures}")

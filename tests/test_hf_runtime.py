@@ -230,7 +230,7 @@ def test_bad_inputs(target, tmp_path):
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(method="beam"), "method must be one of"),
         (dict(verifier="beam", method="chain"), "verifier must be one of"),
-        (dict(budget=-1), "budget must be an int >= 0"),
+        (dict(budget=-1), "budget must be .auto. or an int >= 0"),
         (dict(block_size=9), "block_size"),
         (dict(method="greedy", sampling=SamplingParams(temperature=1.0)), "greedy"),
         (dict(sampling=SamplingParams(top_p=0.0)), "top_p"),

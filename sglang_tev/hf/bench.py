@@ -43,6 +43,7 @@ import math
 import os
 import platform
 import statistics
+from collections import Counter
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -57,7 +58,7 @@ DEFAULT_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential")
 TREE_METHODS = ("tev", "predraw", "sequential", "greedy")  # DDTree + this verifier, one run per budget
 RECORD_KEYS = ("method", "budget", "temperature", "draft_mode", "prompts", "new_tokens", "rounds", "tau",
                "accept_len_mean", "coverage_mean", "tokens_per_s", "tokens_per_s_iqr", "speedup", "speedup_iqr",
-               "repeats", "repeat_spread", "stage_ms", "skipped_prompts")
+               "repeats", "repeat_spread", "stage_ms", "skipped_prompts", "budgets_chosen")
 GREEDY_EPS = 1e-5
 
 
@@ -110,9 +111,9 @@ def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed,
     if bad:
         raise ValueError(f"methods: unknown {bad}; choose from {list(GENERATION_METHODS)}")
     budgets = list(dict.fromkeys(budgets))
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
-        raise ValueError(f"budgets must be ints >= 0, got {budgets!r}")
-    if any(b > MAX_BUDGET for b in budgets):
+    if any(b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 0) for b in budgets):
+        raise ValueError(f"budgets must be 'auto' or ints >= 0, got {budgets!r}")
+    if any(b != "auto" and b > MAX_BUDGET for b in budgets):
         raise ValueError(f"budgets must be <= {MAX_BUDGET}, got {budgets!r}")
     if not budgets and any(m in TREE_METHODS for m in methods):
         raise ValueError("budgets must hold at least one budget for the DDTree methods")
@@ -199,6 +200,8 @@ def _record(method, budget, T, draft_mode, runs, times, skipped) -> dict:
         "repeat_spread": float(spread),
         "stage_ms": {s: sum(r.stage_ms.get(s, 0.0) for r in rounds) / n_rounds for s in STAGES},
         "skipped_prompts": skipped,
+        # budget "auto": the budgets its rounds ran with ({budget: rounds}, 0 = plain decoding rounds)
+        "budgets_chosen": dict(sorted(Counter(r.budget for r in rounds).items())) if budget == "auto" else None,
     }
 
 
@@ -359,7 +362,7 @@ def _write_json(path: Path, obj) -> None:
 def run_bench(
     generator: SpeculativeGenerator,
     prompts: Sequence[Prompt | str | Sequence[int]],
-    budgets: Sequence[int] = (32, 64, 128),
+    budgets: Sequence[int | str] = ("auto", 32, 64, 128),
     temperatures: Sequence[float] = (0.0, 1.0),
     max_new_tokens: int = 256,
     methods: Sequence[str] = DEFAULT_METHODS,
@@ -387,7 +390,9 @@ def run_bench(
         prompts: :class:`~sglang_tev.hf.datasets.Prompt` / text (encoded with the tokenizer,
             chat template per ``chat_template``) or token ids. Prompts with tokens + 1 > the model's
             positions are skipped with a warning and counted in ``skipped_prompts``.
-        budgets: DDTree budgets B >= 0 (tree methods run once per budget).
+        budgets: DDTree budgets B >= 0, or ``"auto"`` (the per-round choice of ``budget="auto"``;
+            its record's ``budgets_chosen`` counts the rounds per budget) (tree methods run once per
+            budget).
         temperatures: target temperatures >= 0 (below 1e-5: greedy).
         max_new_tokens: per prompt, >= 1.
         methods: a subset of :data:`~sglang_tev.hf.runtime.GENERATION_METHODS`.

@@ -43,6 +43,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin_signed
 
 
+
+MAX_DEFERRED = 64
+"""Context tokens a drafter defers at most (plain decoding rounds of ``budget="auto"`` add one each)."""
+
+
+def _last_writes(positions: torch.Tensor) -> torch.Tensor:
+    """bool [b, T]: entry j of a row is the last one written to its position (no later j' of the
+    row has the same position). Deferred contexts of several rounds may write one slot twice."""
+    t = positions.shape[1]
+    if t <= 1:
+        return torch.ones_like(positions, dtype=torch.bool)
+    same = positions.unsqueeze(2) == positions.unsqueeze(1)                 # [b, T, T]
+    later = torch.ones(t, t, dtype=torch.bool, device=positions.device).triu(1)
+    return ~(same & later).any(2)
+
 class StaticDFlashDrafter:
     """:class:`~sglang_tev.hf.drafters.BatchDrafter` for a :class:`DFlashDraftModel`.
 
@@ -118,9 +133,20 @@ class StaticDFlashDrafter:
         projects them together with its block. Any other call that reads or moves the buffers
         (:meth:`move_row`, :meth:`context_kv`, :meth:`start`, another ``add_context``, or a
         ``draft_rows`` over other rows) writes them first. A longer context (a prefill) is
-        written now, so its cost stays with the prefill."""
+        written now, so its cost stays with the prefill.
+
+        Plain decoding rounds of ``budget="auto"`` (one token each, no draft) add to the deferred
+        context of the same rows instead, up to :data:`MAX_DEFERRED` tokens, so the projection
+        runs once, batched, with the next draft; where two deferred writes hit one position
+        (a padded path slot that a later commit fills) the later one wins, as in a cache."""
+        short = features.dim() == 3 and features.shape[1] <= self.block_size
+        p = self._pending
+        if short and p is not None and p[0] == rows and p[1].shape[1] + features.shape[1] <= MAX_DEFERRED \
+                and p[1].shape[0] == features.shape[0]:
+            self._pending = (rows, torch.cat([p[1], features], 1), torch.cat([p[2], positions], 1))
+            return
         self._flush()
-        if features.dim() == 3 and features.shape[1] <= self.block_size:
+        if short:
             self._pending = (rows, features, positions)
         else:
             self._write_context(rows, features, positions)
@@ -140,6 +166,7 @@ class StaticDFlashDrafter:
         self._tables(features.device, dtype)
         ctx = m.hidden_norm(m.fc(features.to(dtype)))
         b, t, _ = ctx.shape
+        positions = torch.where(_last_writes(positions), positions, self.keys[0].shape[2] - 1)  # never-read slot
         cos, sin = self._rope(positions)
         idx = positions[:, None, :, None]
         for layer, kb, vb in zip(m.layers, self.keys, self.values):
@@ -223,7 +250,8 @@ class StaticDFlashDrafter:
             t = ctx.shape[1]
             # context slots at or past the root are padding; the block owns them: send them to the
             # never-read last slot so that one scatter writes context and block without duplicates
-            idx = torch.cat([torch.where(ctx_pos < rp, ctx_pos, slots - 1), pos], dim=1)  # [b, T + K']
+            keep = (ctx_pos < rp) & _last_writes(ctx_pos)  # (deferred writes to one slot: the last wins)
+            idx = torch.cat([torch.where(keep, ctx_pos, slots - 1), pos], dim=1)  # [b, T + K']
         else:
             ctx, t, idx = None, 0, pos
         cos, sin = self._rope(idx)  # [b, 1, T + K', d]; padding rows get the last slot's (unread)

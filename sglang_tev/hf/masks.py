@@ -144,17 +144,23 @@ class KeptTreeMask:
         self.cap, self.max_len, self.dtype, self.device = cap, max_len, dtype, device
         self.buf: torch.Tensor | None = None  # allocated at the first round (N known)
         self.slots: list = []  # per slot: (row object it was written for, context columns set)
+        self._by_n: dict = {}  # the buffers of other tree widths N (budget="auto"), with their slots
 
     def update(self, tree: DraftTree, rows: list, kv_len: int) -> torch.Tensor:
         """The mask [b, 1, N, kv_len] of ``tree`` (b = len(rows), row i in slot i; each row has
         ``past_len``), written into the buffer. No host sync."""
         b, n = tree.parents.shape
         if self.buf is None or self.buf.shape[2] != n:
-            dt = self.dtype
-            low = torch.finfo(dt).min
-            self.buf = torch.full((self.cap, 1, n, self.max_len), low, dtype=dt, device=self.device)
-            self.slots = [(None, 0)] * self.cap
-            self._vals = (torch.zeros((), dtype=dt, device=self.device), torch.full((), low, dtype=dt, device=self.device), low)
+            if self.buf is not None:  # budget="auto" changes N between rounds: one buffer per N
+                self._by_n[self.buf.shape[2]] = (self.buf, self.slots)
+            if n in self._by_n:
+                self.buf, self.slots = self._by_n.pop(n)
+            else:
+                dt = self.dtype
+                low = torch.finfo(dt).min
+                self.buf = torch.full((self.cap, 1, n, self.max_len), low, dtype=dt, device=self.device)
+                self.slots = [(None, 0)] * self.cap
+                self._vals = (torch.zeros((), dtype=dt, device=self.device), torch.full((), low, dtype=dt, device=self.device), low)
         buf = self.buf
         zero, low, low_f = self._vals  # 0-d tensors for torch.where; the Python float for C
         anc = tree.ancestor_mask

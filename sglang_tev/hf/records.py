@@ -31,6 +31,8 @@ class RoundStats:
         stage_ms: wall milliseconds per stage of the (batched) round.
         verified_accept_len: accepted draft tokens before any cut (the verifier's accept length).
         batch_rows: rows in the round's batch.
+        budget: the round's budget B (with ``budget="auto"`` the one chosen for it; 0 = a plain
+            decoding round, no draft), None for ``chain`` / ``autoregressive``.
     """
 
     accept_len: int
@@ -40,6 +42,7 @@ class RoundStats:
     stage_ms: dict[str, float]
     verified_accept_len: int = -1
     batch_rows: int = 1
+    budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.verified_accept_len < 0:

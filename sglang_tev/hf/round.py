@@ -77,6 +77,8 @@ class BatchState:
         with static shapes; graphs: captured tree forwards or None; slot_ids: int64 arange.
     Carried from round to round:
         rows: the active rows; pending_context: the last commit's path features for the drafter;
+        budget_ctl: with ``budget="auto"`` the controller that sets ``budget`` before each round
+        (:mod:`~sglang_tev.hf.autobudget`) and reads back its gains and time;
         sampling_key / sampling: the batch's SamplingParams and the rows it was made for (the
         scheduler sets the key to None when rows change); first: no round verified yet;
         round_no.
@@ -109,6 +111,7 @@ class BatchState:
     first: bool = True
     round_no: int = 0
     draft_mode: str = "marginal"
+    budget_ctl: object = None  # hf/autobudget.BudgetController with budget="auto", else None
 
     @property
     def speculative(self) -> bool:
@@ -139,6 +142,10 @@ def run_round(state: BatchState) -> list[int]:
     rows = state.rows
     b = len(rows)
     sl = slice(0, b)
+    ctl = state.budget_ctl
+    t0 = clock[0]
+    if ctl is not None:
+        state.budget = ctl.choose(b)
     lens = to_device([r.past_len for r in rows], torch.int64, state.device)
     roots = to_device([r.ids[-1] for r in rows], torch.int64, state.device)
     depth_cap = [row_depth_cap(state, r) for r in rows]
@@ -150,10 +157,13 @@ def run_round(state: BatchState) -> list[int]:
     lap("build")
     logits, feats = tree_forward(state, tree, inputs)
     lap("tree_forward")
-    decision = verify(state, tree, logits)
+    reach_at = ctl.grid_upto(state.budget) if ctl is not None and drafted is not None else None
+    decision = verify(state, tree, logits, reach_at)
     lap("verify")
     finished = commit(state, sl, tree, lens, feats, decision, times)
     lap("commit")
+    if ctl is not None:
+        ctl.observe(b, state.budget, decision.reach_cum, time.perf_counter() - t0)
     state.round_no += 1
     return finished
 
@@ -192,8 +202,8 @@ def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> to
     neighbours' depth caps (nor on the batch), and the draft forward has one shape. The tree's
     depth is capped per row by the builder instead."""
     flush_context(state)
-    if max(depth_cap) <= 0:
-        return None
+    if max(depth_cap) <= 0 or (state.budget == 0 and state.method != "chain"):
+        return None  # nothing to draft (a budget-0 round is a plain decoding step)
     fn = state.drafter.draft_lattice_rows if state.draft_mode == "lattice" else state.drafter.draft_rows
     return fn(sl, roots, lens, state.tokens[sl], state.block_size - 1, max(r.past_len for r in state.rows))
 
@@ -368,7 +378,7 @@ def row_uniforms(state: BatchState, n: int) -> torch.Tensor | None:
     return u
 
 
-def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor):
+def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor, reach_at: list[int] | None = None):
     """Controls at every node, the verifier, and the round's one host sync: the decision and
     each row's first valid node with non-finite logits (the finiteness check) read back
     together (:meth:`~sglang_tev.verify.VerifyOutput.host`).
@@ -385,7 +395,7 @@ def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor):
     vout = verify_tree(tree, logits, method=state.verifier, sampling=sampling, uniforms=row_uniforms(state, n),
                        validate=False)
     # non-finite logits at any valid node (NaN, +inf, or only -inf in a row) stop the call
-    dec = vout.host(tree, check_finite=logits)  # the one host sync of the round
+    dec = vout.host(tree, check_finite=logits, reach_at=reach_at or None)  # the one host sync of the round
     for i, v in enumerate(dec.first_nonfinite):
         if v >= 0:
             r = rows[i]
@@ -443,7 +453,8 @@ def commit(state: BatchState, sl: slice, tree: DraftTree, lens, feats, dec, time
         r.past_len += m  # the KV of root + the first m - 1 block tokens is cached (m - 1 <= acc)
         r.result.token_ids.extend(block)
         r.result.rounds.append(RoundStats(min(acc, m), m, dec.coverage[i], dec.tree_nodes[i], times,
-                                          verified_accept_len=acc, batch_rows=b))
+                                          verified_accept_len=acc, batch_rows=b,
+                                          budget=state.budget if state.method not in ("chain", "autoregressive") else None))
         if state.stream is not None and block:
             state.stream(r.index, block)
         if reason is not None:

@@ -35,6 +35,7 @@ from .assets import shipped_pair_default
 from .controls import Controls
 from .records import STAGES, GenerationResult, Request, RoundStats, Row
 from .round import NonFiniteLogitsError
+from .autobudget import AUTO, DEFAULT_GRID, BudgetController, CostTable
 from .scheduler import DecodeBuffers, Scheduler
 from .static_cache import StaticKVCache, cache_kwargs  # noqa: F401 - cache_kwargs: tests and benchmarks import it from here
 from .stops import stop_token_set
@@ -156,7 +157,7 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, target, drafter=None, tokenizer=None, *, static_shapes: bool = False,
-                 cuda_graphs: bool = False, graph_backend=None) -> None:
+                 cuda_graphs: bool = False, graph_backend=None, cost_table=None) -> None:
         from .dflash_runner import StaticDFlashDrafter
         from .drafters import DFlashDrafter, SequenceDrafterAdapter
 
@@ -187,6 +188,15 @@ class SpeculativeGenerator:
         self.past_len: int | None = None
         self._call_lock = threading.Lock()
         self._call_owner: int | None = None
+        # budget="auto": measured seconds per round by (batch, budget), kept across calls
+        if cost_table is None:
+            self.cost_table = CostTable()
+        elif isinstance(cost_table, CostTable):
+            self.cost_table = cost_table
+        else:
+            self.cost_table = CostTable.load(cost_table, frozen=True)
+        self.budget_grid: tuple[int, ...] = DEFAULT_GRID
+        self._controllers: dict = {}  # budget="auto": one BudgetController per target law
 
     @classmethod
     @shipped_pair_default  # target None / "tiny-code": the shipped pair; no progress bars while loading
@@ -287,7 +297,7 @@ class SpeculativeGenerator:
         prompt: str | Sequence[int] | torch.Tensor | Sequence[str | Sequence[int]],
         *,
         method: str = "tev",
-        budget: int = 64,
+        budget: int | str = "auto",
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         seed: int | Sequence[int] = 0,
         max_new_tokens: int | Sequence[int] = 256,
@@ -314,7 +324,12 @@ class SpeculativeGenerator:
                 (several prompts: a list of results comes back, in input order). A list of ints
                 is ONE prompt of token ids.
             method: one of :data:`GENERATION_METHODS`.
-            budget: DDTree budget B (non-root nodes), in [0, MAX_BUDGET].
+            budget: DDTree budget B (non-root nodes), in [0, MAX_BUDGET], or ``"auto"`` (the default):
+                each round's budget chosen from ``self.budget_grid`` (0 = a plain decoding round)
+                to maximise expected tokens per second, from the exit law of past rounds and the
+                measured seconds per round in ``self.cost_table`` (:mod:`sglang_tev.hf.autobudget`).
+                The output law is unchanged; seeded sampled output repeats run to run only with
+                a fixed budget or a frozen cost table (``cost_table=`` of the constructor).
             sampling: the target law (default greedy: temperature 0); one, or one per prompt.
             seed: seed of the verifier's uniforms; one, or one per prompt.
             max_new_tokens: >= 1, never exceeded; one, or one per prompt.
@@ -388,7 +403,7 @@ class SpeculativeGenerator:
         requests: Sequence[Request],
         *,
         method: str = "tev",
-        budget: int = 64,
+        budget: int | str = "auto",
         block_size: int | None = None,
         verifier: str = "tev",
         chat_template: bool = True,
@@ -408,11 +423,30 @@ class SpeculativeGenerator:
             if cap > self.drafter.max_rows and method != "autoregressive":
                 raise ValueError(f"batch_size: the drafter {type(getattr(self.drafter, 'inner', self.drafter)).__name__} "
                                  f"serves one sequence at a time; use batch_size=1 or a BatchDrafter")
+        ctl = None
+        if budget == AUTO:
+            ctl = self._budget_controller(requests)
+            budget = ctl.max_budget
         Scheduler(self._target, self.drafter, self._buffers, rows, cap, method, vmethod, budget, K, stream,
                   tokenizer=self.tokenizer, static=self.static_shapes or self.cuda_graphs,
-                  time_stages=self.time_stages, draft_mode=mode).run()
+                  time_stages=self.time_stages, draft_mode=mode, budget_ctl=ctl).run()
         self._finish(rows, single=len(rows) == 1)
         return [r.result for r in rows]
+
+    def _budget_controller(self, requests) -> BudgetController:
+        """The ``budget="auto"`` controller of this target law (greedy, or the set of sampling
+        temperatures), kept across calls with its learned gains; every controller reads
+        ``self.cost_table``."""
+        temps = sorted({0.0 if r.sampling is None else round(float(torch.as_tensor(r.sampling.temperature).reshape(-1)[0]), 3)
+                        for r in requests})
+        temps = [0.0 if t < 1e-5 else t for t in temps]
+        grid = tuple(sorted({int(b) for b in self.budget_grid if 0 <= int(b) <= MAX_BUDGET}))
+        key = (grid, tuple(temps))
+        ctl = self._controllers.get(key)
+        if ctl is None or ctl.costs is not self.cost_table:
+            ctl = self._controllers[key] = BudgetController(grid, self.cost_table)
+        ctl.history = []
+        return ctl
 
     # ------------------------------------------------------------------ argument checks
     @property
@@ -445,10 +479,11 @@ class SpeculativeGenerator:
             raise ValueError(f"method must be one of {GENERATION_METHODS}, got {method!r}")
         if verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {VERIFIERS}, got {verifier!r}")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"budget must be an int >= 0, got {budget!r}")
-        if budget > MAX_BUDGET:
-            raise ValueError(f"budget must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) candidates), got {budget}")
+        if not (isinstance(budget, str) and budget == AUTO):
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise ValueError(f"budget must be 'auto' or an int >= 0, got {budget!r}")
+            if budget > MAX_BUDGET:
+                raise ValueError(f"budget must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) candidates), got {budget}")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         vmethod = method if method in VERIFIERS else verifier

@@ -93,11 +93,13 @@ class Scheduler:
         static: fixed shapes for every tree forward; time_stages: sync after each stage (CUDA).
         draft_mode: ``"marginal"`` or ``"lattice"`` (resolved by the generator; None or anything
             else for autoregressive calls reads as marginal).
+        budget_ctl: a :class:`~sglang_tev.hf.autobudget.BudgetController` (``budget="auto"``;
+            ``budget`` is then its largest budget, which sizes the buffers) or None.
     """
 
     def __init__(self, target: TargetModel, drafter, buffers: DecodeBuffers, rows: list[Row], cap: int, method: str,
                  verifier: str, budget: int, block_size: int | None, stream, *, tokenizer, static: bool,
-                 time_stages: bool, draft_mode: str | None = "marginal") -> None:
+                 time_stages: bool, draft_mode: str | None = "marginal", budget_ctl=None) -> None:
         self.target, self.drafter = target, drafter
         dev = target.device
         speculative = method != "autoregressive"
@@ -120,6 +122,7 @@ class Scheduler:
             cache=buffers.cache, tokens=tokens, controls=controls, kept_mask=KeptTreeMask(cap, max_len, target.float_dtype, dev),
             static_slots=buffers.static_slots, slot_ids=torch.arange(max_len + n_nodes, device=dev),  # slot / position ids, sliced
             draft_mode="lattice" if speculative and draft_mode == "lattice" else "marginal",
+            budget_ctl=budget_ctl if speculative and method != "chain" else None,
         )
         self.state.graphs = buffers.graphed(functools.partial(eager_tree_forward, self.state))
 

@@ -144,7 +144,6 @@ def verify_tree(
             exit_node, bonus, law = triton_tev_verify(tree, logits, sampling, uniforms)
         else:
             exit_node, bonus, law = tev_verify_logits(tree, logits, sampling, uniforms)
-        coverage = law.coverage
     else:
         probs = processed_probs(logits, sampling)
         if method == "predraw":
@@ -153,9 +152,9 @@ def verify_tree(
             exit_node, bonus = sequential_verify(tree, probs, uniforms)
         else:
             exit_node, bonus = greedy_verify(tree, logits)
-        coverage = _coverage(tree, probs)
+        law = _law(tree, probs)
     accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)
-    return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, coverage)
+    return VerifyOutput(tree.path(exit_node), accept_len, bonus, exit_node, law.coverage, reach=law.P)
 
 
 def _use_kernel(backend: str | None, method: str, logits) -> bool:
@@ -192,6 +191,6 @@ def _scalar_greedy(temperature) -> bool:
     return not isinstance(temperature, torch.Tensor) and temperature < GREEDY_EPS
 
 
-def _coverage(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
-    return exit_law_from_edges(tree, edge_probs(tree, probs), validate=False).coverage
+def _law(tree: DraftTree, probs: torch.Tensor):
+    return exit_law_from_edges(tree, edge_probs(tree, probs), validate=False)
 

@@ -27,6 +27,8 @@ class HostDecision:
         first_nonfinite: per tree, the first valid node whose logits row holds a NaN or +inf
             or only -inf (its max is not finite), or -1; when asked for with ``check_finite``,
             else None.
+        reach_cum: per tree, ``sum_{i = 1..B'} P(v_i)`` (the coverage of the tree's first B'
+            non-root nodes) for each ``B'`` of ``reach_at``, when asked for, else None.
     """
 
     paths: list
@@ -36,6 +38,7 @@ class HostDecision:
     coverage: list
     tree_nodes: list
     first_nonfinite: list | None = None
+    reach_cum: list | None = None
 
 
 class VerifyOutput:
@@ -48,19 +51,23 @@ class VerifyOutput:
         exit_node: int64 [b], the last accepted node.
         coverage: float [b], the target coverage C_p of each tree under the processed target
             law (E[accept_len], paper Eq. 6); an extra the runtimes report.
+        reach: float [b, N] or None, the target reach probability P(v) of every node (paper
+            Eq. 2) when the verifier computed the exit law (None: greedy, where P is 1 on the
+            accepted path and 0 elsewhere, which :meth:`host` uses instead).
 
     A verifier that decided on the host (greedy on CPU) keeps its Python lists and builds these
     tensors only when one is read; :meth:`host` then costs nothing.
     """
 
-    __slots__ = ("_tensors", "_host", "_shape")
+    __slots__ = ("_tensors", "_host", "_shape", "reach")
     _FIELDS = ("path", "accept_len", "bonus", "exit_node", "coverage")
 
     def __init__(self, path: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor, exit_node: torch.Tensor,
-                 coverage: torch.Tensor) -> None:
+                 coverage: torch.Tensor, reach: torch.Tensor | None = None) -> None:
         self._tensors = (path, accept_len, bonus, exit_node, coverage)
         self._host = None
         self._shape = None
+        self.reach = reach
 
     @classmethod
     def _from_host(cls, decision: tuple, width: int, coverage_dtype: torch.dtype) -> "VerifyOutput":
@@ -68,6 +75,7 @@ class VerifyOutput:
         first_nonfinite)."""
         out = cls.__new__(cls)
         out._tensors, out._host, out._shape = None, decision, (width, coverage_dtype)
+        out.reach = None
         return out
 
     def _materialise(self) -> tuple:
@@ -91,7 +99,8 @@ class VerifyOutput:
     def __repr__(self) -> str:
         return "VerifyOutput(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS) + ")"
 
-    def host(self, tree: DraftTree, check_finite: torch.Tensor | None = None) -> HostDecision:
+    def host(self, tree: DraftTree, check_finite: torch.Tensor | None = None,
+             reach_at: list[int] | None = None) -> HostDecision:
         """The decision on the host, in ONE device-to-host transfer (none when the verifier
         decided on the host: its lists are kept).
 
@@ -100,12 +109,15 @@ class VerifyOutput:
             check_finite: optional float [b, N, V], the logits that were verified: each tree's
                 first valid node with a non-finite row max comes back in the same transfer (the
                 host verifiers find it in the pass that takes the argmax).
+            reach_at: optional increasing budgets ``B'`` in [1, N - 1]: ``reach_cum`` comes back in
+                the same transfer (``budget="auto"``, :mod:`sglang_tev.hf.autobudget`).
         Returns:
             :class:`HostDecision`.
         """
         if self._host is not None:
             kept = self._host
-            return HostDecision(*kept[:6], first_nonfinite=None if check_finite is None else kept[6])
+            cum = None if not reach_at else [_path_reach(p, reach_at) for p in kept[0]]
+            return HostDecision(*kept[:6], first_nonfinite=None if check_finite is None else kept[6], reach_cum=cum)
         path, accept_len, bonus, _, coverage = self._tensors
         b, n = path.shape
         path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))
@@ -114,10 +126,19 @@ class VerifyOutput:
         parts = [ints.to(torch.float64), coverage.view(b, 1).to(torch.float64)]  # ids < 2^53: exact
         if check_finite is not None:
             parts.append(check_finite.amax(-1).to(torch.float64))
+        n_reach = len(reach_at) if reach_at else 0
+        if n_reach and self.reach is not None:
+            cum = self.reach.to(torch.float64)[:, 1:].cumsum(1)  # node 0 is the root
+            parts.append(cum[:, [x - 1 for x in reach_at]])
         rows = torch.cat(parts, 1).tolist()  # the one transfer
         acc = [int(h[2 * n]) for h in rows]
         nodes = [int(h[2 * n + 2]) for h in rows]
+        reach_cum = None
+        if n_reach:
+            reach_cum = ([h[-n_reach:] for h in rows] if self.reach is not None
+                         else [_path_reach([int(x) for x in h[: a + 1]], reach_at) for h, a in zip(rows, acc)])
         return HostDecision(
+            reach_cum=reach_cum,
             paths=[[int(x) for x in h[: a + 1]] for h, a in zip(rows, acc)],
             path_tokens=[[int(x) for x in h[n: n + a + 1]] for h, a in zip(rows, acc)],
             accept_len=acc,
@@ -127,6 +148,13 @@ class VerifyOutput:
             first_nonfinite=None if check_finite is None else [first_nonfinite(h[2 * n + 4:], m)
                                                               for h, m in zip(rows, nodes)],
         )
+
+
+def _path_reach(path: list, reach_at: list[int]) -> list[float]:
+    """Greedy law: P(v) is 1 on the accepted path and 0 elsewhere, so the coverage of the first B'
+    nodes is the number of path nodes (root excluded) with index <= B'."""
+    nodes = path[1:]
+    return [float(sum(1 for v in nodes if v <= x)) for x in reach_at]
 
 
 def first_nonfinite(row_max: list, n_valid: int) -> int:

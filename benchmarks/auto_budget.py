@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""``--budget auto`` against plain decoding and fixed budgets (issue 29), on the shipped pair.
+
+One process, the generator loaded once; every configuration is warmed up once (untimed; auto's
+controller and cost table then carry over, as in a server or a long session), then ``--runs``
+interleaved sweeps time each configuration in turn (same minute), and the median tokens/s per
+configuration is reported with the budgets auto chose. Batch 1: the README's prompt. Batch 8:
+the first 8 HumanEval prompts decoded as one batch.
+
+    python benchmarks/auto_budget.py --out benchmarks/results/auto-budget-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="JSON results")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--budgets", default="auto,16,32,64")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from sglang_tev.hf.datasets import load_prompts
+    from sglang_tev.hf.runtime import SpeculativeGenerator
+    from sglang_tev.sampling import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = SpeculativeGenerator.from_pretrained()
+    readme = "def fibonacci(n):"
+    he = [x.text if hasattr(x, "text") else x for x in load_prompts("humaneval")][:8]
+    budgets = ["plain"] + [b if b == "auto" else int(b) for b in args.budgets.split(",")]
+    rows = []
+    for bs in [int(x) for x in args.batch_sizes.split(",")]:
+        prompts = [readme] if bs == 1 else he[:bs]
+        for t in [float(x) for x in args.temperatures.split(",")]:
+            sp = SamplingParams(temperature=t)
+
+            def run(b, seed):
+                kw = dict(sampling=sp, seed=seed, max_new_tokens=args.max_new_tokens, ignore_eos=True,
+                          chat_template=False)
+                kw.update(method="autoregressive") if b == "plain" else kw.update(budget=b)
+                t0 = time.perf_counter()
+                res = gen.generate(prompts if bs > 1 else prompts[0], **kw)
+                dt = time.perf_counter() - t0
+                res = res if isinstance(res, list) else [res]
+                return sum(len(r.token_ids) for r in res) / dt, res
+
+            for b in budgets:
+                run(b, 10_000)  # warm-up (auto: its controller and costs carry over)
+            rates = {b: [] for b in budgets}
+            chosen = {b: Counter() for b in budgets}
+            taus = {b: [] for b in budgets}
+            for i in range(args.runs):
+                for b in budgets:
+                    rate, res = run(b, i)
+                    rates[b].append(rate)
+                    rounds = [r for x in res for r in x.rounds]
+                    taus[b].append(sum(r.emitted for r in rounds) / max(1, len(rounds)))
+                    if b == "auto":
+                        chosen[b].update(r.budget for r in rounds)
+            plain = statistics.median(rates["plain"])
+            for b in budgets:
+                med = statistics.median(rates[b])
+                rows.append({"batch": bs, "temperature": t, "budget": b, "tokens_per_s": med,
+                             "runs": [round(x, 1) for x in rates[b]], "vs_plain": med / plain,
+                             "tau": statistics.median(taus[b]),
+                             "budgets_chosen": dict(sorted(chosen[b].items())) if b == "auto" else None})
+                print(f"batch {bs} T={t:g} {str(b):>6}: {med:7.1f} tok/s  x{med / plain:.2f} plain  tau "
+                      f"{statistics.median(taus[b]):.2f}" + (f"  chose {dict(chosen[b].most_common(6))}" if b == "auto" else ""),
+                      flush=True)
+    import transformers
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "machine": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""``budget="auto"`` (issue 29): the sub-budget gains a verified round reports, the budget
+controller, the cost table, the runtime under changing budgets (greedy = plain decoding, the
+sampled law by chi-square), the drafter's deferred context, and the CLI / bench surface."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_tev.draft.ddtree import build_ddtree
+from sglang_tev.draft.lattice import build_lattice_tree
+from sglang_tev.hf.autobudget import DEFAULT_GRID, BudgetController, CostTable, parse_budget
+from sglang_tev.hf.runtime import SpeculativeGenerator
+from sglang_tev.sampling import SamplingParams, processed_probs
+from sglang_tev.tree import DraftTree, exit_law
+from sglang_tev.verify import verify_tree
+
+from sglang_tev.testing.drafters import OracleDrafter
+from sglang_tev.testing.exact_law import chi_square_pvalue
+from sglang_tev.testing.models import V, plain_greedy, qwen3
+from test_hf_runtime import FixedDrafter
+
+
+# ------------------------------------------------------------------- the gains of sub-budgets
+def _first(tree: DraftTree, k: int) -> DraftTree:
+    """The tree's first k non-root nodes (pop order), the rest padding."""
+    valid = tree.valid.clone()
+    valid[:, k + 1:] = False
+    parents = torch.where(valid, tree.parents, 0)
+    parents[:, 0] = -1
+    return DraftTree.from_parents(parents, tree.tokens, valid, validate=False)
+
+
+def test_the_first_nodes_of_a_best_first_tree_are_the_smaller_budget_tree():
+    """What makes one round's exit law give every smaller budget's gain (DDTree and lattice DDTree)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, 20, generator=g) * 2
+    roots = torch.tensor([1, 2, 3])
+    big = build_ddtree(logits, 40, roots)
+    for k in (1, 3, 8, 17):
+        small = build_ddtree(logits, k, roots)
+        assert torch.equal(small.parents, big.parents[:, : k + 1]) and torch.equal(small.tokens, big.tokens[:, : k + 1])
+    cand = torch.stack([torch.randperm(20, generator=g)[:5] for _ in range(3 * 6)]).view(3, 6, 5)
+    trans = torch.log_softmax(torch.randn(3, 6, 5, 5, generator=g) * 2, -1)
+    big = build_lattice_tree(cand, trans, 30, roots)
+    for k in (2, 9):
+        small = build_lattice_tree(cand, trans, k, roots)
+        assert torch.equal(small.parents, big.parents[:, : k + 1]) and torch.equal(small.tokens, big.tokens[:, : k + 1])
+
+
+@pytest.mark.parametrize("method,temperature", [("tev", 1.0), ("predraw", 0.7), ("sequential", 1.3), ("tev", 0.0),
+                                                ("greedy", 0.0)])
+def test_reach_cum_is_the_coverage_of_each_sub_budget_tree(method, temperature):
+    g = torch.Generator().manual_seed(1)
+    b, D, Vv, B = 3, 5, 12, 24
+    draft = torch.randn(b, D, Vv, generator=g) * 2
+    tree = build_ddtree(draft, B, torch.tensor([0, 1, 2]))
+    # the target at node v roughly agrees with the draft of the depth below v: deep accepted paths
+    rows = draft.gather(1, tree.depth.clamp(max=D - 1)[..., None].expand(b, B + 1, Vv))
+    logits = rows * 1.5 + torch.randn(b, B + 1, Vv, generator=g) * 0.5
+    sp = SamplingParams(temperature=temperature)
+    out = verify_tree(tree, logits, method=method, sampling=sp, generator=torch.Generator().manual_seed(2))
+    at = [1, 2, 5, 11, B]
+    dec = out.host(tree, reach_at=at)
+    probs = processed_probs(logits.double(), sp) if temperature > 0 else \
+        torch.nn.functional.one_hot(logits.argmax(-1), Vv).double()
+    want = [[float(exit_law(_first(tree, k), probs).coverage[r]) for k in at] for r in range(b)]
+    assert np.allclose(dec.reach_cum, want, atol=1e-5)
+    assert np.allclose([r[-1] for r in dec.reach_cum], dec.coverage, atol=1e-5)  # the whole tree
+    assert max(r[-1] for r in dec.reach_cum) > 1.0  # deep enough to tell sub-budgets apart
+
+
+# --------------------------------------------------------------------------- cost table
+def test_cost_table_median_line_neighbours_and_json(tmp_path):
+    t = CostTable(window=3)
+    for s in (0.010, 0.050, 0.011, 0.012):  # one slow round among them does not set the cost
+        t.record(4, 8, s)
+    assert t.cost(4, 8) == pytest.approx(0.012)
+    t.record(4, 32, 0.020)
+    assert t.cost(4, 16) == pytest.approx(0.012 + (0.020 - 0.012) * 8 / 24)  # the line in 1 + B
+    assert t.cost(4, 0) is None  # plain decoding is never extrapolated
+    assert t.cost(2, 32) == pytest.approx(0.020)  # the nearest batch size that has one
+    assert CostTable().cost(1, 8) is None
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"cost_table": t.to_json()}))
+    back = CostTable.load(path)
+    assert back.frozen and back.cost(4, 8) == pytest.approx(0.012)
+    back.record(4, 8, 9.0)
+    assert back.cost(4, 8) == pytest.approx(0.012)  # frozen: read only
+    for bad, match in (({"seconds": {"1": {"8": -1}}}, "finite"), ({"nope": 1}, "not a cost table")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="cost_table"):
+            CostTable.load(path)
+    with pytest.raises(ValueError, match="cost_table"):
+        CostTable.load(tmp_path / "missing.json")
+
+
+def test_parse_budget_errors_name_the_argument():
+    assert parse_budget("auto", 1024) == "auto" and parse_budget("16", 1024) == 16 and parse_budget(0, 8) == 0
+    for bad in ("-1", "x", -2, True, 2000):
+        with pytest.raises(ValueError, match="budget"):
+            parse_budget(bad, 1024)
+
+
+# --------------------------------------------------------------------------- controller
+def _table(costs: dict[int, float], batch: int = 1) -> CostTable:
+    t = CostTable()
+    for b, s in costs.items():
+        t.record(batch, b, s)
+    return t
+
+
+def _feed(ctl, budget, gains, batch=1, seconds=None):
+    """One round of ``budget`` whose sub-budget gains are ``gains[B']`` for every row."""
+    cum = [[gains[b] for b in ctl.grid_upto(budget)]] * batch if budget else None
+    ctl.observe(batch, budget, cum, seconds if seconds is not None else ctl.costs.cost(batch, budget) or 0.01)
+
+
+def test_controller_calibrates_then_maximises_tokens_per_second():
+    grid = (0, 4, 16, 64)
+    costs = CostTable()
+    ctl = BudgetController(grid, costs)
+    gains = {4: 1.0, 16: 1.8, 64: 2.2}
+    seconds = {0: 0.010, 4: 0.014, 16: 0.018, 64: 0.040}
+    # calibration: the largest tree, plain decoding, the middle of the grid
+    first = []
+    for _ in range(3):
+        b = ctl.choose(1)
+        first.append(b)
+        _feed(ctl, b, gains, seconds=seconds[b])
+    assert first == [64, 0, 16]
+    # rates: plain 100, B4 143, B16 156, B64 80 tokens/s -> 16
+    picks = Counter()
+    for _ in range(40):
+        b = ctl.choose(1)
+        picks[b] += 1
+        _feed(ctl, b, gains, seconds=seconds[b])
+    # B4's cost was the line's estimate until its first round measured it; 64: exploration only
+    assert picks.most_common(1)[0][0] == 16 and set(picks) <= {4, 16, 64} and picks[4] <= 2
+    assert picks[64] <= 40 // ctl.min_period + 1
+    # a slow machine for trees: plain decoding wins
+    slow = BudgetController(grid, _table({0: 0.010, 4: 0.05, 16: 0.06, 64: 0.2}))
+    _feed(slow, 64, gains)
+    assert slow.choose(1) == 0
+
+
+def test_controller_exploration_backs_off_while_the_choice_holds_and_never_picks_an_unseen_gain():
+    ctl = BudgetController((0, 8, 32), _table({0: 0.01, 8: 0.05, 32: 0.1}), period=4, max_period=16)
+    _feed(ctl, 32, {8: 0.2, 32: 0.3})
+    budgets = [ctl.choose(1) for _ in range(1)]
+    for _ in range(60):
+        b = ctl.choose(1)
+        budgets.append(b)
+        _feed(ctl, b, {8: 0.2, 32: 0.3})
+    explore = [i for i, b in enumerate(budgets) if b != 0]
+    gaps = np.diff(explore)
+    assert budgets.count(0) > 45 and list(gaps) == sorted(gaps) and gaps[-1] == 16  # 4, 8, 16, 16, ...
+    # a budget whose gain was never observed is not chosen (only explored)
+    fresh = BudgetController((0, 8, 32), _table({0: 0.01, 8: 0.011, 32: 0.012}))
+    fresh.gain = {8: 0.5}  # as if only budget-8 rounds had run
+    assert fresh.best(1) == 8
+
+
+def test_controller_keeps_its_choice_within_the_margin():
+    ctl = BudgetController((0, 8, 16), _table({0: 0.01, 8: 0.020, 16: 0.0205}), margin=0.05)
+    ctl.gain = {8: 1.0, 16: 1.0}
+    ctl._current[1] = 16
+    assert ctl.best(1) == 16  # 8 is 2.5 % faster: not enough to switch
+    ctl.costs = _table({0: 0.01, 8: 0.015, 16: 0.0205})
+    assert ctl.best(1) == 8
+
+
+def test_controller_arguments():
+    with pytest.raises(ValueError, match="grid"):
+        BudgetController((0,), CostTable())
+    with pytest.raises(ValueError, match="grid"):
+        BudgetController((-1, 4), CostTable())
+
+
+# --------------------------------------------------------------------------- the runtime
+class Scripted(BudgetController):
+    """Chooses from a fixed cycle of budgets (what the mask buffers, deferred contexts and tree
+    widths see when the real controller changes its mind), records like the real one."""
+
+    def __init__(self, cycle, costs=None):
+        super().__init__(sorted(set(cycle) | {max(cycle)}), costs or CostTable())
+        self.cycle, self.i = list(cycle), 0
+
+    def choose(self, batch):
+        b = self.cycle[self.i % len(self.cycle)]
+        self.i += 1
+        return self._log(batch, b)
+
+
+CYCLE = [0, 16, 0, 0, 2, 8, 0, 16, 4, 4, 0, 0, 0, 16]
+
+
+def test_greedy_under_changing_budgets_is_plain_decoding_batched():
+    """Every tree width and plain rounds in between, a ragged batch of 3 rows whose last ones
+    finish early (the batch shrinks): token-identical to plain greedy decoding per row."""
+    tgt = qwen3(11)
+    gen = SpeculativeGenerator(tgt, OracleDrafter(tgt, V, accuracy=0.7, block_size=6))
+    prompts = [[1, 5, 9, 2], [3, 3], [7, 1, 4, 4, 4, 8]]
+    maxes = [40, 17, 29]
+    ctl = Scripted(CYCLE)
+    gen._budget_controller = lambda requests: ctl
+    res = gen.generate(prompts, budget="auto", max_new_tokens=maxes, ignore_eos=True)
+    for p, n, r in zip(prompts, maxes, res):
+        assert r.token_ids == plain_greedy(tgt, p, n)
+    used = Counter(x.budget for r in res for x in r.rounds)
+    assert set(used) == set(CYCLE) and sum(x.accept_len for r in res for x in r.rounds) > 20
+    assert {h[0] for h in ctl.history} >= {3, 1}  # the batch shrank
+
+
+def test_greedy_auto_with_the_shipped_pair_equals_plain_and_uses_several_budgets():
+    gen = SpeculativeGenerator.from_pretrained()
+    prompt = "def fibonacci(n):"
+    plain = gen.generate(prompt, method="autoregressive", max_new_tokens=64, ignore_eos=True)
+    ctl = Scripted(CYCLE)
+    gen._budget_controller = lambda requests: ctl
+    scripted = gen.generate(prompt, budget="auto", max_new_tokens=64, ignore_eos=True)
+    del gen._budget_controller
+    real = gen.generate(prompt, max_new_tokens=64, ignore_eos=True)  # the default is auto
+    assert scripted.token_ids == plain.token_ids == real.token_ids
+    assert {r.budget for r in real.rounds} and all(r.budget in DEFAULT_GRID for r in real.rounds)
+
+
+def test_sampled_law_under_auto_is_the_target_law():
+    """Budgets chosen from past rounds (the controller persists across the calls, so calls see
+    different budgets, plain rounds included): the first two tokens still follow the target's law
+    (chi-square against the exact law, alpha 1e-6, as the fixed budgets)."""
+    vocab = 8
+    tgt = qwen3(7, vocab=vocab, layers=1)
+    prompt = [1, 5, 2]
+    sampling = SamplingParams(temperature=1.0, top_k=5)
+    with torch.no_grad():
+        p1 = processed_probs(tgt(torch.tensor([prompt])).logits[:, -1].double(), sampling)[0]
+        p2 = processed_probs(tgt(torch.tensor([prompt + [a] for a in range(vocab)])).logits[:, -1].double(), sampling)
+    exact = (p1[:, None] * p2).numpy()
+    gen = SpeculativeGenerator(tgt, FixedDrafter(vocab, 4, seed=2))
+    gen.budget_grid = (0, 1, 2, 6)
+    # a frozen cost table under which budgets are close in rate: the choice moves with the gains
+    gen.cost_table = CostTable.from_json({"seconds": {"1": {"0": 0.010, "1": 0.016, "2": 0.019, "6": 0.024}}})
+    n = 4000
+    counts = np.zeros((vocab, vocab))
+    used = Counter()
+    for s in range(n):
+        res = gen.generate(prompt, budget="auto", sampling=sampling, seed=s, max_new_tokens=2, ignore_eos=True)
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+        used.update(r.budget for r in res.rounds)
+    assert len(used) >= 3 and used[0] > 0, used  # plain rounds and several tree sizes
+    assert chi_square_pvalue(counts, exact) > 1e-6
+
+
+# --------------------------------------------------------------------------- deferred context
+def test_deferred_plain_round_contexts_equal_immediate_writes():
+    """Plain rounds hand the drafter one token each; it defers them and writes them with the next
+    draft (later writes to a slot win, as in a cache): the draft equals writing each at once."""
+    from sglang_tev.hf.dflash_runner import StaticDFlashDrafter, _last_writes
+    from sglang_tev.testing.models import dflash_for
+
+    assert _last_writes(torch.tensor([[3, 4, 3, 5]])).tolist() == [[False, True, True, True]]
+    tgt = qwen3(3)
+    model = dflash_for(tgt, seed=4)
+    F = model.fc.in_features
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(2, 12, F, generator=g)
+    rows = slice(0, 2)
+    runs = []
+    for deferred in (True, False):
+        d = StaticDFlashDrafter(model, tgt)
+        d.start(2, 64, torch.device("cpu"))
+        d.add_context(rows, feats[:, :4], torch.arange(4).expand(2, 4))  # a prefill
+        # a tree round's commit, padded: row 1 accepted 1 token, its slot 5 is padding...
+        d.add_context(rows, feats[:, 4:6], torch.tensor([[4, 5], [4, 5]]))
+        for t in range(6, 10):  # ...then plain rounds: one token per row, row 1 one step behind
+            pos = torch.tensor([[t], [t - 1]])
+            f = feats[:, t: t + 1].clone()
+            if deferred:
+                d.add_context(rows, f, pos)
+            else:
+                d._flush()
+                d._write_context(rows, f, pos)
+        roots = torch.tensor([1, 2])
+        runs.append(d.draft_rows(rows, roots, torch.tensor([10, 9]), None, 4, 10))
+    torch.testing.assert_close(runs[0], runs[1])
+
+
+# --------------------------------------------------------------------------- CLI and bench
+def test_cli_budget_auto_and_errors(capsys):
+    from sglang_tev.cli import main
+
+    assert main(["generate", "--max-new-tokens", "24", "--ignore-eos", "def f(x):"]) == 0
+    err = capsys.readouterr().err
+    assert "budget=auto [" in err  # the summary line names the budgets the rounds ran with
+    for argv, flag in ((["generate", "--budget", "many", "x"], "--budget"), (["generate", "--budget", "-3", "x"], "--budget"),
+                       (["bench", "--dataset", "humaneval", "--budgets", "auto,-1"], "--budgets")):
+        assert main(argv) == 2
+        assert flag in capsys.readouterr().err
+
+
+def test_bench_auto_row_reports_the_budgets_it_chose(tmp_path):
+    from sglang_tev.hf.bench import run_bench
+
+    gen = SpeculativeGenerator.from_pretrained()
+    recs = run_bench(gen, ["def add(a, b):", "import os\n"], budgets=["auto", 16], temperatures=[0.0],
+                     max_new_tokens=24, methods=["autoregressive", "tev"], repeats=1, output_dir=tmp_path / "b")
+    auto = next(r for r in recs if r["budget"] == "auto")
+    fixed = next(r for r in recs if r["budget"] == 16)
+    assert sum(auto["budgets_chosen"].values()) == auto["rounds"] and fixed["budgets_chosen"] is None
+    saved = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert any(r["budget"] == "auto" for r in (saved["results"] if isinstance(saved, dict) else saved))
