@@ -46,7 +46,8 @@ _ARG_OF = {
     "methods": "--methods", "verifier": "--verifier", "stop_strings": "--stop", "seed": "--seed",
     "budgets": "--budgets", "temperatures": "--temperatures", "prompts": "--dataset", "limit": "--limit",
     "dataset": "--dataset", "repeats": "--repeats", "output_dir": "--output", "draft_mode": "--draft-mode",
-    "draft_modes": "--draft-modes", "tree_modes": "--tree-modes",
+    "draft_modes": "--draft-modes", "tree_modes": "--tree-modes", "cost_table": "--cost-table",
+    "batch_sizes": "--batch-sizes", "verifiers": "--verifiers",
 }
 
 
@@ -175,6 +176,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="do not apply the tokenizer's chat template (default: applied when the tokenizer has one)")
 
 
+TUNE_EXAMPLES = """\
+examples:
+  sglang-tev tune                                          # the shipped pair, batch 1 and 8, T = 0 and 1
+  sglang-tev tune --target DIR --draft DIR --batch-sizes 1,4,16 --output tune.json
+  sglang-tev generate --cost-table tune.json "def f(x):"   # --budget auto reads the tuned costs
+"""
+
 EVAL_EXAMPLES = """\
 examples:
   sglang-tev eval-drafter --prompts humaneval --limit 24               # the shipped pair, T = 0 and 1, B = 64
@@ -187,7 +195,8 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Lossless tree speculative decoding (DFlash + DDTree + TEV).",
-                     epilog=(GENERATE_EXAMPLES + BENCH_EXAMPLES.split("\n", 1)[1] + EVAL_EXAMPLES.split("\n", 1)[1]
+                     epilog=(GENERATE_EXAMPLES + BENCH_EXAMPLES.split("\n", 1)[1] + TUNE_EXAMPLES.split("\n", 1)[1]
+                             + EVAL_EXAMPLES.split("\n", 1)[1]
                              + "\nsee COMMAND --help for each option\n"),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -210,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDTree budget B (non-root nodes), or 'auto' (default): each round's budget chosen to "
                         "maximise expected tokens/s from the exit law of past rounds and measured round costs; "
                         "0 rounds are plain decoding steps")
+    g.add_argument("--cost-table", metavar="FILE",
+                   help="with --budget auto: seconds per round by batch size and budget from 'sglang-tev tune "
+                        "--output FILE', read instead of timing rounds (the choices, and seeded runs, then repeat)")
     g.add_argument("--verifier", choices=VERIFIERS, default="tev",
                    help="verifier of the DDTree (and of --method chain) (default tev)")
     g.add_argument("--method", choices=METHODS,
@@ -264,6 +276,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", type=_int_list, default=None,
                    help="also decode all prompts batched at these sizes, e.g. 1,4,16: tokens/s over the batch and "
                    "per-row tau go into results.json ('batch') and batch_tokens_per_s.png")
+
+    t = sub.add_parser("tune", help="measure every budget on this machine and print the tokens/s-optimal "
+                       "--speculative-num-draft-tokens (and verifier) per batch size",
+                       description="Decode the same prompts at every budget of --budgets (0 = plain decoding), "
+                       "interleaved sweeps after a warm-up sweep, per batch size and temperature; print every "
+                       "configuration's median tokens/s, tau and ratio to plain decoding, the best per batch size as "
+                       "SGLang flags, and with --output a JSON (rows, best, the cost table for --cost-table, the "
+                       "command, machine and versions). Measured with this package's transformers runtime: on a "
+                       "GPU server SGLang's round costs differ, tau does not.",
+                       epilog=TUNE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(t)
+    t.add_argument("--dataset", default="humaneval",
+                   help="'humaneval' (default) or a .jsonl file; batch size b decodes its first b prompts")
+    t.add_argument("--batch-sizes", type=_int_list, default=[1, 8], help="comma-separated (default 1,8)")
+    t.add_argument("--temperatures", type=_float_list, default=[0.0, 1.0], help="comma-separated (default 0,1)")
+    t.add_argument("--budgets", type=_int_list, default=[0, 4, 8, 16, 32, 64],
+                   help="budgets to measure, 0 = plain decoding (default 0,4,8,16,32,64)")
+    t.add_argument("--verifiers", type=_str_list, default=["tev"],
+                   help="verifiers tried at T > 0, comma-separated subset of tev,predraw,sequential (default tev)")
+    t.add_argument("--max-new-tokens", type=int, default=128, help="per prompt, EOS ignored (default 128)")
+    t.add_argument("--repeats", type=int, default=3, help="timed sweeps after the warm-up sweep (default 3)")
+    t.add_argument("--seed", type=int, default=0, help="sampled sweeps use seed + sweep (default 0)")
+    t.add_argument("--output", metavar="FILE", help="write the JSON here (refused if it exists, unless --overwrite)")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing --output")
 
     e = sub.add_parser("eval-drafter", help="compare drafters by the exact expected block length 1 + C_p on the "
                        "target's own continuations",
@@ -457,6 +493,15 @@ def _check_generate_args(args) -> None:
         raise UsageError("PROMPT", "'-' (stdin) must be the only PROMPT")
     if args.budget != "auto":
         _at_least("--budget", args.budget, 0)
+    if args.cost_table is not None:  # read before any model loads
+        if args.budget != "auto":
+            raise UsageError("--cost-table", f"applies to --budget auto only, got --budget {args.budget}")
+        from .hf.autobudget import CostTable
+
+        try:
+            args.cost_table = CostTable.load(args.cost_table, frozen=True)
+        except ValueError as e:
+            raise UsageError("--cost-table", _strip_name(str(e))) from None
     if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
         raise UsageError("--repetition-penalty", f"must be a finite number > 0, got {args.repetition_penalty}")
     for flag, v in (("--frequency-penalty", args.frequency_penalty), ("--presence-penalty", args.presence_penalty)):
@@ -536,6 +581,7 @@ def _cmd_generate_batch(args, file_prompts: list) -> int:
     texts = ([args.prompt] if args.prompt is not None else []) + list(args.more_prompts)
     items = [Prompt(id=f"PROMPT:{i}", text=t) for i, t in enumerate(texts, 1)] + list(file_prompts)
     gen = _load(args)
+    _use_cost_table(gen, args)
     chat = not args.no_chat_template
     prompts = []
     for p in items:  # every prompt is checked before the first is generated
@@ -573,6 +619,14 @@ def _cmd_generate_batch(args, file_prompts: list) -> int:
     return 0
 
 
+def _use_cost_table(gen, args) -> None:
+    """``--cost-table FILE``: the generator's ``budget="auto"`` reads this frozen table."""
+    if getattr(args, "cost_table", None) is None:
+        return
+    gen.cost_table = args.cost_table  # loaded and checked by _check_generate_args
+    gen._controllers.clear()
+
+
 def cmd_generate(args) -> int:
     from .sampling import SamplingParams
 
@@ -592,6 +646,7 @@ def cmd_generate(args) -> int:
     if prompts is not None or args.more_prompts or args.batch_size is not None:
         return _cmd_generate_batch(args, prompts or [])
     gen = _load(args)
+    _use_cost_table(gen, args)
     tok = gen.tokenizer
     method = args.method or args.verifier
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
@@ -679,6 +734,51 @@ def cmd_bench(args, argv: list[str]) -> int:
     print(format_table(records))
     print(f"[{PROG}] wrote {out / 'results.json'}, outputs.jsonl, meta.json, tau_hist.png, stage_ms.png",
           file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- tune
+
+def cmd_tune(args, argv: list[str]) -> int:
+    """``sglang-tev tune``: :func:`sglang_tev.hf.tune.run_tune`, printed and optionally saved."""
+    from .hf.tune import format_tune, run_tune, tune_meta, write_tune
+
+    _at_least("--max-new-tokens", args.max_new_tokens, 1)
+    _at_least("--repeats", args.repeats, 1)
+    if not args.batch_sizes or any(b < 1 for b in args.batch_sizes):
+        raise UsageError("--batch-sizes", f"must be integers >= 1, got {args.batch_sizes}")
+    if not args.temperatures or any(not (t >= 0) or math.isinf(t) for t in args.temperatures):
+        raise UsageError("--temperatures", f"must be finite numbers >= 0, got {args.temperatures}")
+    if not args.budgets or any(not 0 <= b <= MAX_BUDGET for b in args.budgets) or max(args.budgets) < 1:
+        raise UsageError("--budgets", f"must be integers in [0, {MAX_BUDGET}] with at least one > 0, got {args.budgets}")
+    bad = [v for v in args.verifiers if v not in ("tev", "predraw", "sequential")]
+    if not args.verifiers or bad:
+        raise UsageError("--verifiers", f"give a comma-separated subset of tev,predraw,sequential, got "
+                                        f"{','.join(args.verifiers) or 'nothing'}")
+    out = Path(args.output) if args.output else None
+    if out is not None:
+        if out.is_dir():
+            raise UsageError("--output", f"{out} is a directory; give a file name")
+        if out.exists() and not args.overwrite:
+            raise UsageError("--output", f"{out} exists; choose another name or pass --overwrite")
+        _check_output_dir(out.parent if str(out.parent) else Path("."), True, arg="--output", must_be_empty=False)
+    prompts = _prompts_arg("--dataset", args.dataset, None)
+    if len(prompts) < max(args.batch_sizes):
+        raise UsageError("--batch-sizes", f"the largest batch size ({max(args.batch_sizes)}) needs that many prompts; "
+                                          f"{args.dataset} has {len(prompts)}")
+    gen = _load(args)
+    texts = [p.text if hasattr(p, "text") else p for p in prompts[: max(args.batch_sizes)]]
+    try:
+        result = run_tune(gen, texts, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
+                          budgets=args.budgets, verifiers=args.verifiers, max_new_tokens=args.max_new_tokens,
+                          repeats=args.repeats, seed=args.seed, chat_template=not args.no_chat_template,
+                          progress=lambda line: print(f"[{PROG}] {line}", file=sys.stderr, flush=True))
+    except ValueError as e:
+        raise _usage_from(e, "--budgets") from None
+    print(format_tune(result))
+    if out is not None:
+        write_tune(out, result, tune_meta(argv))
+        print(f"[{PROG}] wrote {out} (its cost table: sglang-tev generate --cost-table {out})", file=sys.stderr)
     return 0
 
 
@@ -861,6 +961,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "eval-drafter":
             return cmd_eval_drafter(args, argv)
+        if args.command == "tune":
+            return cmd_tune(args, argv)
         return cmd_bench(args, argv)
     except UsageError as e:
         try:

@@ -76,7 +76,9 @@ def test_reach_cum_is_the_coverage_of_each_sub_budget_tree(method, temperature):
 
 # --------------------------------------------------------------------------- cost table
 def test_cost_table_median_line_neighbours_and_json(tmp_path):
-    t = CostTable(window=3)
+    t = CostTable(window=3, load_correction=False)  # no load correction: the medians themselves
+    t.record(4, 8, 0.5)  # the first round of a shape allocates: dropped once a second arrives
+    assert t.cost(4, 8) == pytest.approx(0.5)
     for s in (0.010, 0.050, 0.011, 0.012):  # one slow round among them does not set the cost
         t.record(4, 8, s)
     assert t.cost(4, 8) == pytest.approx(0.012)
@@ -97,6 +99,41 @@ def test_cost_table_median_line_neighbours_and_json(tmp_path):
             CostTable.load(path)
     with pytest.raises(ValueError, match="cost_table"):
         CostTable.load(tmp_path / "missing.json")
+
+
+def test_cost_fit_is_monotone_in_the_budget():
+    """Noisy medians in the wrong order are pooled (a larger tree never costs less); between and
+    beyond measured budgets the fit is linear, so a flat-then-rising (GPU) cost keeps its shape."""
+    t = CostTable()
+    for b, s in {8: 0.020, 16: 0.018, 32: 0.022, 64: 0.040}.items():
+        for _ in range(3):
+            t.record(1, b, s)
+    c = {b: t.cost(1, b) for b in (4, 8, 12, 16, 24, 32, 48, 64, 96)}
+    assert c[8] == pytest.approx(0.019) and c[16] == pytest.approx(0.019) and c[12] == pytest.approx(0.019)
+    assert c[4] == pytest.approx(0.019)  # below the smallest timed budget: held flat
+    assert c[48] == pytest.approx(0.031) and c[96] == pytest.approx(0.058)
+    assert list(c.values()) == sorted(c.values())
+    t.set(1, 0, 0.007)
+    assert t.cost(1, 0) == pytest.approx(0.007) and t.cost(1, 8) == pytest.approx(0.019)
+    for bad in (0, -1.0, float("nan"), "x"):
+        with pytest.raises(ValueError, match="seconds"):
+            t.set(1, 8, bad)
+    assert t.cost(1, 8) == pytest.approx(0.019)  # a refused value changes nothing
+
+
+def test_a_probe_in_a_busy_minute_is_read_against_that_minute():
+    """The budget in use sets the minute's load (its last 8 times over its last 64): a probe timed
+    while everything runs 2x slower is stored at the usual load; without the correction it is not."""
+    for corrected in (True, False):
+        t = CostTable(load_correction=corrected)
+        t.record(1, 0, 0.010)
+        for _ in range(16):
+            t.record(1, 16, 0.015)
+        for _ in range(8):  # a busy minute
+            t.record(1, 16, 0.030)
+        t.record(1, 0, 0.020)  # a plain-decoding probe in that minute
+        assert t.current_load() == (pytest.approx(2.0) if corrected else 1.0)
+        assert t.cost(1, 0) == pytest.approx(0.010 if corrected else 0.020)
 
 
 def test_parse_budget_errors_name_the_argument():
@@ -135,34 +172,88 @@ def test_controller_calibrates_then_maximises_tokens_per_second():
     assert first == [64, 0, 16]
     # rates: plain 100, B4 143, B16 156, B64 80 tokens/s -> 16
     picks = Counter()
-    for _ in range(40):
+    for _ in range(80):
         b = ctl.choose(1)
         picks[b] += 1
         _feed(ctl, b, gains, seconds=seconds[b])
-    # B4's cost was the line's estimate until its first round measured it; 64: exploration only
-    assert picks.most_common(1)[0][0] == 16 and set(picks) <= {4, 16, 64} and picks[4] <= 2
-    assert picks[64] <= 40 // ctl.min_period + 1
+    # every other budget is a probe (up: 64, across: plain, down: 4), as often as 2 % of the time
+    # pays for what they lose (64 loses ~20 ms a round, plain ~4 ms)
+    assert picks.most_common(1)[0][0] == 16
+    assert 1 <= sum(v for b, v in picks.items() if b != 16) == ctl._explorations <= 6
     # a slow machine for trees: plain decoding wins
     slow = BudgetController(grid, _table({0: 0.010, 4: 0.05, 16: 0.06, 64: 0.2}))
     _feed(slow, 64, gains)
     assert slow.choose(1) == 0
 
 
-def test_controller_exploration_backs_off_while_the_choice_holds_and_never_picks_an_unseen_gain():
-    ctl = BudgetController((0, 8, 32), _table({0: 0.01, 8: 0.05, 32: 0.1}), period=4, max_period=16)
-    _feed(ctl, 32, {8: 0.2, 32: 0.3})
-    budgets = [ctl.choose(1) for _ in range(1)]
-    for _ in range(60):
+def _run(ctl, rounds, gains, seconds):
+    picks = []
+    for _ in range(rounds):
         b = ctl.choose(1)
-        budgets.append(b)
-        _feed(ctl, b, {8: 0.2, 32: 0.3})
-    explore = [i for i, b in enumerate(budgets) if b != 0]
-    gaps = np.diff(explore)
-    assert budgets.count(0) > 45 and list(gaps) == sorted(gaps) and gaps[-1] == 16  # 4, 8, 16, 16, ...
+        picks.append(b)
+        _feed(ctl, b, gains, seconds=seconds[b])
+    return picks
+
+
+def test_probes_cost_at_most_their_share_alternate_gain_and_cost_and_never_pick_an_unseen_gain():
+    gains = {8: 0.2, 32: 0.3}
+    for tree_cost, many in ((0.013, True), (0.05, False)):  # trees nearly as good as plain / far worse
+        seconds = {0: 0.01, 8: tree_cost, 32: tree_cost * 1.5}
+        ctl = BudgetController((0, 8, 32), CostTable(), explore_share=0.05)
+        picks = _run(ctl, 600, gains, seconds)[3:]  # after calibration
+        probes = [b for b in picks if b != 0]
+        lost = sum(seconds[b] - (1 + gains[b]) * seconds[0] for b in probes)
+        assert picks.count(0) > 500 and lost <= 0.05 * sum(seconds[b] for b in picks) + 0.05
+        assert (len(probes) > 60) if many else (len(probes) < 15)
+        assert min(np.diff([i for i, b in enumerate(picks) if b != 0])) >= ctl.min_gap
+        # up probes (a larger budget than the best tree) and across probes (the tree budgets timed
+        # so far, the stalest first) in turn; no down probe while plain decoding wins
+        assert probes[:4] == [32, 8, 32, 32] and set(probes) == {8, 32}
     # a budget whose gain was never observed is not chosen (only explored)
     fresh = BudgetController((0, 8, 32), _table({0: 0.01, 8: 0.011, 32: 0.012}))
     fresh.gain = {8: 0.5}  # as if only budget-8 rounds had run
     assert fresh.best(1) == 8
+
+
+def test_probes_go_up_across_and_down_around_a_winning_tree():
+    """A winning tree of 16: probes time 64 (gains up to it), plain decoding (the other regime)
+    and 4 (its cost was a guess, held at 16's until timed), in turn."""
+    ctl = BudgetController((0, 4, 16, 64), CostTable(), explore_share=0.5)
+    gains = {4: 1.0, 16: 1.8, 64: 2.2}
+    seconds = {0: 0.010, 4: 0.0175, 16: 0.018, 64: 0.025}
+    picks = _run(ctl, 200, gains, seconds)[3:]
+    probes = [b for b in picks if b != 16]
+    assert picks.count(16) > 100 and probes[:6] == [64, 0, 4, 64, 0, 4]
+    assert ctl.costs.cost(1, 4) == pytest.approx(0.0175)
+
+
+def test_controller_rereads_a_cost_measured_in_a_slow_minute():
+    """Trees timed while the machine was busy look slower than plain decoding; the cost probes
+    time them again, and the choice returns to the tree once the fresh times outvote the old."""
+    ctl = BudgetController((0, 16, 64), CostTable(), explore_share=0.1)
+    gains = {16: 2.0, 64: 2.4}
+    true = {0: 0.010, 16: 0.015, 64: 0.030}
+    for b in (64, 0, 16):
+        assert ctl.choose(1) == b
+        _feed(ctl, b, gains, seconds=true[b])
+    for _ in range(4):  # a busy minute: the tree rounds take 4x longer
+        _feed(ctl, 16, gains, seconds=4 * true[16])
+    assert ctl.choose(1) == 0
+    picks = _run(ctl, 1000, gains, true)
+    back = next(i for i in range(len(picks)) if picks[i:i + 10].count(16) >= 8)
+    assert 20 < back < 400 and picks[-100:].count(16) >= 80
+
+
+def test_gains_of_rarely_observed_budgets_follow_the_fresh_ones():
+    """A larger budget is observed only by probes; its gain is the smaller budgets' fresh gain plus
+    its own (older) increment, so it never falls below a smaller budget's."""
+    ctl = BudgetController((0, 8, 16, 64), CostTable(), alpha=0.5)
+    ctl.observe(1, 64, [[2.0, 2.5, 3.0]], 0.02)
+    assert ctl.gain == pytest.approx({8: 2.0, 16: 2.5, 64: 3.0})
+    for _ in range(6):  # acceptance drops: only budget-8 rounds run
+        ctl.observe(1, 8, [[0.5]], 0.01)
+    assert ctl.gain[8] < 0.6 and ctl.gain[16] == pytest.approx(ctl.gain[8] + 0.5)
+    assert ctl.gain[64] == pytest.approx(ctl.gain[8] + 1.0)
 
 
 def test_controller_keeps_its_choice_within_the_margin():
@@ -314,3 +405,75 @@ def test_bench_auto_row_reports_the_budgets_it_chose(tmp_path):
     assert sum(auto["budgets_chosen"].values()) == auto["rounds"] and fixed["budgets_chosen"] is None
     saved = json.loads((tmp_path / "b" / "results.json").read_text())
     assert any(r["budget"] == "auto" for r in (saved["results"] if isinstance(saved, dict) else saved))
+
+
+# --------------------------------------------------------------------------- sglang-tev tune
+def test_run_tune_measures_every_configuration_and_picks_the_fastest():
+    from sglang_tev.hf.tune import format_tune, run_tune
+
+    tgt = qwen3(11)
+    gen = SpeculativeGenerator(tgt, OracleDrafter(tgt, V, accuracy=0.8, block_size=6))
+    prompts = [[1, 5, 9, 2], [3, 3, 7], [7, 1, 4]]
+    lines = []
+    res = run_tune(gen, prompts, batch_sizes=[1, 3], temperatures=[0.0, 1.0], budgets=[0, 2, 6],
+                   verifiers=["tev", "sequential"], max_new_tokens=12, repeats=2, progress=lines.append)
+    rows = res["rows"]
+    # per batch size: T = 0 plain + 2 budgets (one verifier), T = 1 plain + 2 budgets x 2 verifiers
+    assert len(rows) == 2 * (3 + 5) and len(lines) == len(rows)
+    for r in rows:
+        assert len(r["runs"]) == 2 and r["tokens_per_s"] > 0
+        if r["budget"] == 0:
+            assert r["verifier"] is None and r["speculative_num_draft_tokens"] is None
+            assert r["tau"] == pytest.approx(1.0) and r["vs_plain"] == pytest.approx(1.0)
+        else:
+            assert r["speculative_num_draft_tokens"] == r["budget"] + 1 and r["tau"] > 1.0
+    assert {r["verifier"] for r in rows if r["temperature"] == 0 and r["budget"]} == {"tev"}
+    for best in res["best"]:
+        group = [r for r in rows if (r["batch"], r["temperature"]) == (best["batch"], best["temperature"])]
+        assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in group)
+    table = CostTable.from_json(res["cost_table"])
+    assert table.frozen and table.measured(3, 0) and table.measured(1, 6)
+    text = format_tune(res)
+    assert text.count("  *") == 4 and ("--speculative-num-draft-tokens" in text or "plain decoding" in text)
+
+
+def test_run_tune_refuses_bad_arguments_before_running():
+    from sglang_tev.hf.tune import run_tune
+
+    tgt = qwen3(11)
+    gen = SpeculativeGenerator(tgt, OracleDrafter(tgt, V, accuracy=0.8, block_size=6))
+    calls = []
+    gen.generate = lambda *a, **k: calls.append(1)
+    for kw, name in (({"batch_sizes": [0]}, "batch_sizes"), ({"batch_sizes": [5]}, "batch_sizes"),
+                     ({"budgets": [0]}, "budgets"), ({"budgets": [-1, 4]}, "budgets"),
+                     ({"verifiers": ["greedy2"]}, "verifiers"), ({"temperatures": [float("nan")]}, "temperatures"),
+                     ({"max_new_tokens": 0}, "max_new_tokens"), ({"repeats": 0}, "repeats")):
+        with pytest.raises(ValueError, match=name):
+            run_tune(gen, [[1, 2]] * 3, **{"batch_sizes": [1, 2], **kw})
+    assert not calls
+
+
+def test_cli_tune_writes_a_cost_table_that_generate_reads(tmp_path, capsys):
+    from sglang_tev.cli import main
+
+    out = tmp_path / "tune.json"
+    argv = ["tune", "--batch-sizes", "1,2", "--budgets", "0,4,8", "--temperatures", "0", "--max-new-tokens", "8",
+            "--repeats", "1", "--output", str(out)]
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert "batch 1, T=0:" in cap.out and "batch 2, T=0:" in cap.out
+    data = json.loads(out.read_text())
+    assert data["meta"]["command"].startswith("sglang-tev tune") and len(data["best"]) == 2
+    assert set(data["cost_table"]["seconds"]) == {"1", "2"}
+    assert main(argv) == 2 and "--output" in capsys.readouterr().err  # exists: refused
+    assert main(["generate", "--cost-table", str(out), "--max-new-tokens", "12", "--ignore-eos", "def f(x):"]) == 0
+    assert "budget=auto [" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    for argv, flag in ((["generate", "--cost-table", str(bad), "x"], "--cost-table"),
+                       (["generate", "--cost-table", str(tmp_path / "none.json"), "x"], "--cost-table"),
+                       (["generate", "--cost-table", str(out), "--budget", "16", "x"], "--cost-table"),
+                       (["tune", "--budgets", "0"], "--budgets"), (["tune", "--verifiers", "greedy"], "--verifiers"),
+                       (["tune", "--batch-sizes", "0"], "--batch-sizes"), (["tune", "--output", str(tmp_path)], "--output")):
+        assert main(argv) == 2
+        assert flag in capsys.readouterr().err

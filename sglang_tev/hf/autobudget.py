@@ -14,15 +14,18 @@ one token per round and no draft at all.
 
 What a round costs. The wall seconds of whole rounds (draft + build + tree forward + verify +
 commit; on CUDA the round's one host sync makes the clock honest), kept per (batch size, budget)
-as an exponential moving average, with a least-squares line in ``1 + B`` filling budgets not yet
-timed at that batch size.
+as the median of recent rounds, divided by the load of the minute they ran in (a shared machine
+runs the same round up to 2x slower in a busy minute), and read through a fit that is monotone in
+the budget (:class:`CostTable`).
 
 The choice. Per round and per batch (one tree size for all rows, so the forward keeps one shape):
 ``argmax_B (1 + E[accept | B]) / cost(b, B)`` over the budgets whose gain has been observed, with
 a short calibration at the start (the largest budget once — it observes every smaller budget's
-gain — then plain decoding and the middle of the grid once each) and exploration rounds every
-``period`` rounds (the next larger budget than the current choice, every fourth time the largest),
-the period doubling up to ``max_period`` while exploring does not change the choice.
+gain — then plain decoding and the middle of the grid once each) and probes paid from an
+exploration allowance (``explore_share`` of the decoding time): gain probes (a larger budget
+than the best tree) and cost probes (the other regime: plain decoding while trees win, the trees
+while plain decoding wins) in turn; a probe nearly as good as the choice is nearly free and runs
+often, one far worse runs rarely (:class:`BudgetController`).
 
 Exactness: the choice reads only rounds that are already verified (their probabilities and their
 clocks), never the current round's draws, so every round's tree is fixed before its verifier
@@ -66,45 +69,116 @@ def parse_budget(value, max_budget: int) -> int | str:
     return value
 
 
+def _monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
+    """Weighted isotonic (non-decreasing) fit of ``(budget, seconds, weight)`` sorted by budget,
+    by pooling adjacent violators: a larger tree never costs less, so two noisy medians in the
+    wrong order are replaced by their weighted mean."""
+    blocks: list[list] = []  # [sum w*s, sum w, budgets]
+    for b, s, w in points:
+        blocks.append([s * w, w, [b]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            sw, ww, bs = blocks.pop()
+            blocks[-1][0] += sw
+            blocks[-1][1] += ww
+            blocks[-1][2] += bs
+    return [(b, sw / ww) for sw, ww, bs in blocks for b in bs]
+
+
 @dataclass
 class CostTable:
-    """Seconds per round by (batch size, budget): the median of the last ``window`` measured
-    rounds of each pair.
+    """Seconds per round by (batch size, budget), measured on this machine.
+
+    Each (batch, budget) keeps its last ``window`` round times (the first one of a pair is dropped
+    once a second arrives: the first round of a new shape allocates). The cost of a tree budget
+    is read from a monotone fit across budgets: the weighted medians, made non-decreasing in the
+    budget (:func:`_monotone`), interpolated linearly between measured budgets, extended above
+    the largest by the last segment's slope and held flat below the smallest. So every tree
+    round informs every tree budget
+    (a CPU's round times grow by a fraction of a percent per node, less than the noise of
+    one budget's rounds), while a GPU's flat-then-rising cost keeps its shape.
+
+    The machine's load. A shared machine runs the same round 1.5-2x slower in a busy minute, and a
+    budget timed only by occasional probes would carry the minute it was timed in. So each round
+    time is divided by the load of its minute before it is stored: the median of the last 8 raw
+    times of the pair timed most in the last 16 rounds (the budget in use), over the median of
+    its last 64 (clipped to [1/2, 4]; 1 until that pair has 16 times). A probe's round is then read
+    against the rounds it is compared with, and every cost is at the budget in use's usual load.
 
     Attributes:
-        seconds: ``{batch: {budget: seconds}}``.
+        seconds: ``{batch: {budget: seconds}}``, the median of each pair's recent rounds (in the
+            table's load-free scale).
         counts: ``{batch: {budget: rounds measured}}``.
         frozen: when True :meth:`record` ignores new rounds (a table from ``sglang-tev tune``;
             repeated calls then choose the same budgets, so seeded runs repeat).
         window: measurements per pair the median is taken over.
+        load_correction: divide round times by the load of their minute (above); off, the
+            medians of raw times.
+        stamp: rounds recorded so far; ``last``: ``{(batch, budget): stamp of its last round}``.
     """
 
     seconds: dict = field(default_factory=dict)
     counts: dict = field(default_factory=dict)
     frozen: bool = False
-    window: int = 9
+    window: int = 15
+    load_correction: bool = True
+    stamp: int = 0
+    last: dict = field(default_factory=dict, repr=False)
     _recent: dict = field(default_factory=dict, repr=False)
+    _raw: dict = field(default_factory=dict, repr=False)
+    _pairs: list = field(default_factory=list, repr=False)
+
+    def current_load(self) -> float:
+        """The load of the current minute relative to the budget in use's usual one (see above)."""
+        if not self.load_correction or not self._pairs:
+            return 1.0
+        cur = max(set(self._pairs), key=self._pairs.count)
+        raw = self._raw.get(cur, [])
+        if len(raw) < 16:
+            return 1.0
+        return min(4.0, max(0.5, statistics.median(raw[-8:]) / statistics.median(raw)))
 
     def record(self, batch: int, budget: int, seconds: float) -> None:
+        """Add one measured round (ignored when frozen or not a finite time > 0)."""
         if self.frozen or not math.isfinite(seconds) or seconds <= 0:
             return
-        recent = self._recent.setdefault((batch, budget), [])
-        recent.append(seconds)
-        del recent[:-self.window]
         cnt = self.counts.setdefault(batch, {})
         cnt[budget] = cnt.get(budget, 0) + 1
-        # the median of the last few rounds: a round slowed by a neighbour, or a first round that
-        # allocated its buffers, does not set the cost
+        recent = self._recent.setdefault((batch, budget), [])
+        if cnt[budget] == 2 and len(recent) == 1:
+            recent.clear()  # the pair's first round allocated its shapes
+        norm = seconds / self.current_load()  # this minute's load, from the rounds before this one
+        raw = self._raw.setdefault((batch, budget), [])
+        raw.append(seconds)
+        del raw[:-64]
+        self._pairs.append((batch, budget))
+        del self._pairs[:-16]
+        self.stamp += 1
+        self.last[(batch, budget)] = self.stamp
+        seconds = norm
+        recent.append(seconds)
+        del recent[:-self.window]
+        # the median of the last few rounds: a round slowed by a neighbour does not set the cost
         self.seconds.setdefault(batch, {})[budget] = statistics.median(recent)
+
+    def set(self, batch: int, budget: int, seconds: float, count: int = 1) -> None:
+        """Set a pair's cost outright (``sglang-tev tune``: a median over whole timed runs).
+        Raises ``ValueError`` naming ``seconds`` unless it is a finite number > 0."""
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
+        self._recent[(batch, budget)] = [float(seconds)]
+        self.counts.setdefault(batch, {})[budget] = int(count)
+        self.seconds.setdefault(batch, {})[budget] = float(seconds)
 
     def measured(self, batch: int, budget: int) -> bool:
         return budget in self.seconds.get(batch, {})
 
     def cost(self, batch: int, budget: int) -> float | None:
-        """Seconds of a round at (batch, budget): measured, else the least-squares line in
-        ``1 + B`` through the measured budgets > 0 at this batch size (plain decoding, budget 0,
-        is never extrapolated: it has no draft), else the same at the nearest batch size that has
-        one (a batch that shrinks as rows finish needs no new calibration), else None."""
+        """Seconds of a round at (batch, budget), in the table's scale (seconds at load 1: only
+        ratios between budgets matter): plain decoding (budget 0) measured, never
+        extrapolated (it has no draft); a tree budget from the monotone fit over this batch
+        size's measured tree budgets (one measured budget: that one only). A batch size with
+        nothing for ``budget`` reads the nearest batch size that has it (a batch that shrinks as
+        rows finish needs no new calibration). None when nothing applies."""
         for b in sorted(self.seconds, key=lambda x: (x != batch, abs(x - batch), x)):
             c = self._at(b, budget)
             if c is not None:
@@ -113,19 +187,21 @@ class CostTable:
 
     def _at(self, batch: int, budget: int) -> float | None:
         row = self.seconds.get(batch, {})
-        if budget in row:
-            return row[budget]
         if budget == 0:
+            return row.get(0)
+        cnt = self.counts.get(batch, {})
+        pts = sorted((b, s, min(self.window, max(1, cnt.get(b, 1)))) for b, s in row.items() if b > 0)
+        if not pts:
             return None
-        pts = [(1 + b, s) for b, s in row.items() if b > 0]
-        if len({x for x, _ in pts}) < 2:
-            return None
-        n = len(pts)
-        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-        sxx = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx)
-        est = my + slope * (1 + budget - mx)
-        return est if est > 0 else None
+        if len(pts) == 1:
+            return pts[0][1] if pts[0][0] == budget else None
+        fit = _monotone(pts)
+        xs = [b for b, _ in fit]
+        j = max(1, min(len(fit) - 1, next((i for i, x in enumerate(xs) if x >= budget), len(fit) - 1)))
+        (x0, y0), (x1, y1) = fit[j - 1], fit[j]
+        if budget < x0:  # below the smallest timed budget: its cost (a smaller tree costs no more;
+            return y0    # how much less is a guess until a down probe times it)
+        return y0 + (y1 - y0) * (budget - x0) / (x1 - x0)
 
     def to_json(self) -> dict:
         return {"seconds": {str(b): {str(k): v for k, v in r.items()} for b, r in self.seconds.items()},
@@ -146,6 +222,8 @@ class CostTable:
 
     @classmethod
     def load(cls, path, frozen: bool = True) -> "CostTable":
+        """Read a JSON table (a file of :meth:`to_json`, or one holding it under ``cost_table``).
+        Raises ``ValueError`` naming ``cost_table`` for a missing or malformed file."""
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"cost_table: no file at {p}")
@@ -153,6 +231,8 @@ class CostTable:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"cost_table: {p} is not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"cost_table: {p} is not a cost table")
         return cls.from_json(data.get("cost_table", data), frozen=frozen)
 
 
@@ -165,8 +245,12 @@ class BudgetController:
             calibration / exploration tree.
         costs: the :class:`CostTable` (shared by a generator's controllers; frozen tables are
             read only).
-        period, max_period: rounds between explorations, doubled while exploring confirms the
-            choice (reset when it changes it).
+        explore_share: the share of decoding time probes may lose: each round adds this share of
+            its expected seconds to an allowance, and a probe runs when the allowance covers what
+            it is expected to lose against the choice (its seconds times one minus its rate over
+            the choice's). Probes of budgets nearly as good as the choice are nearly free and run
+            often (every ``min_gap`` rounds at most); probes of far worse ones rarely.
+        min_gap: rounds between two probes at least.
         alpha: the gains are running means of past rounds until ``1 / alpha`` of them, then EMAs
             with this weight (they follow a drifting acceptance).
         margin: a new budget replaces the current one only when its rate is higher by this
@@ -176,7 +260,7 @@ class BudgetController:
         history: ``(batch, budget)`` of every round, for reports and tests.
     """
 
-    def __init__(self, grid: Sequence[int], costs: CostTable, period: int = 8, max_period: int = 128,
+    def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.02, min_gap: int = 3,
                  alpha: float = 0.05, margin: float = 0.03) -> None:
         g = sorted(set(int(x) for x in grid))
         if not g or g[0] < 0 or g[-1] < 1:
@@ -185,8 +269,14 @@ class BudgetController:
         self.alpha, self.margin = alpha, margin
         self.gain: dict[int, float] = {}          # budget -> mean accepted draft tokens
         self._n: dict[int, int] = {}
-        self.period, self.min_period, self.max_period = period, period, max_period
-        self._since, self._explorations, self._pending_explore = 0, 0, None
+        self._inc: dict[int, float] = {}          # budget -> its gain over the next smaller grid budget
+        if not 0 <= explore_share < 1:
+            raise ValueError(f"explore_share must be in [0, 1), got {explore_share!r}")
+        if min_gap < 1:
+            raise ValueError(f"min_gap must be >= 1, got {min_gap!r}")
+        self.explore_share, self.min_gap = explore_share, int(min_gap)
+        self.allowance = 0.0                       # seconds (table scale) probes may still lose
+        self._since, self._explorations = 0, 0
         self._current: dict[int, int] = {}        # batch -> budget in use
         self.history: list[tuple[int, int]] = []
 
@@ -218,10 +308,15 @@ class BudgetController:
         return top
 
     def choose(self, batch: int) -> int:
-        """The budget of the next round at this batch size."""
+        """The budget of the next round at this batch size (0: a plain decoding round).
+
+        Calibration first: the largest tree (it observes every smaller budget's gain), plain
+        decoding, the middle of the grid (a second point of the cost fit), each until timed.
+        Then the best known rate (:meth:`best`), or a probe (:meth:`_next_probe`: up, across,
+        down in turn) when the exploration allowance covers what it is expected to lose
+        (``explore_share``). Costs drift with the machine's load: a cost timed in a slow minute
+        would otherwise never be re-read."""
         top = self.max_budget
-        # calibration: the largest tree (observes every gain), plain decoding, the middle of the
-        # grid (a second point of the cost line), each until timed
         if top not in self.gain or self.costs.cost(batch, top) is None:
             return self._log(batch, top)
         if 0 in self.grid and self.costs.cost(batch, 0) is None:
@@ -233,14 +328,46 @@ class BudgetController:
         best = self.best(batch)
         self._current[batch] = best
         self._since += 1
-        if self._since >= self.period:  # exploration: refresh the gains above the choice
-            self._since = 0
-            self._explorations += 1
-            bigger = [b for b in self.grid if b > best]
-            if bigger:
-                self._pending_explore = (batch, best)
-                return self._log(batch, top if self._explorations % 4 == 0 else bigger[0])
-        return self._log(batch, best)
+        self.allowance += self.explore_share * self.costs.cost(batch, best)
+        probe = self._next_probe(batch, best)
+        if probe is None or self._since < self.min_gap:
+            return self._log(batch, best)
+        loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - self.rate(batch, probe) / self.rate(batch, best))
+        if loss > self.allowance:
+            return self._log(batch, best)
+        self.allowance -= loss
+        self._since = 0
+        self._explorations += 1
+        return self._log(batch, probe)
+
+    def _next_probe(self, batch: int, best: int) -> int | None:
+        """The probe the next exploration would run: up, across and down in turn (the next kind
+        when one has nothing to probe); None when none has.
+
+        * up (gains): the next larger budget than the best tree; it observes the gains of every
+          budget up to it (larger ones follow through their increments);
+        * across (costs of the other regime): plain decoding while a tree wins; while plain
+          decoding wins, the tree budgets timed so far in turn, the one timed longest ago first;
+        * down (costs): the next smaller tree than the choice (its gain is known from every round
+          of the choice; its cost is only estimated until timed)."""
+        tree = best if best > 0 else self.best_tree(batch)
+        bigger = [b for b in self.grid if b > tree]
+        smaller = [b for b in self.grid if 0 < b < best]
+        up = bigger[0] if bigger else None
+        if best > 0:
+            across = 0 if 0 in self.grid else None
+        else:
+            timed = [b for b in self.grid if b > 0 and self.costs.measured(batch, b)] or [tree]
+            across = min(timed, key=lambda b: self.costs.last.get((batch, b), -1))
+        down = smaller[-1] if smaller else None
+        kinds = (up, across, down)
+        k = self._explorations % 3
+        return next((p for p in kinds[k:] + kinds[:k] if p is not None and p != best), None)
+
+    def best_tree(self, batch: int) -> int:
+        """The tree budget (> 0) of highest known rate (the largest budget while none is known)."""
+        known = {b: r for b in self.grid if b > 0 and (r := self.rate(batch, b)) is not None}
+        return max(known, key=lambda b: (known[b], -b)) if known else self.max_budget
 
     def _log(self, batch: int, budget: int) -> int:
         self.history.append((batch, budget))
@@ -258,17 +385,23 @@ class BudgetController:
         self.costs.record(batch, budget, seconds)
         if reach_cum:
             rows = [list(r) for r in reach_cum]
+            prev = 0.0
             for j, b in enumerate(self.grid_upto(budget)):
                 mean = sum(r[j] for r in rows) / len(rows)
                 n = self._n.get(b, 0) + 1
                 self._n[b] = n
                 w = max(self.alpha, 1.0 / n)
-                old = self.gain.get(b, 0.0)
-                self.gain[b] = (1 - w) * old + w * mean
-        if self._pending_explore is not None:
-            (b0, before), self._pending_explore = self._pending_explore, None
-            changed = self.best(b0) != before
-            self.period = self.min_period if changed else min(2 * self.period, self.max_period)
+                # per grid step, what the budget adds over the next smaller one: a larger budget
+                # is observed less often (probes), but its gain moves with the smaller budgets'
+                # fresh ones instead of keeping a stale level, and never falls below them
+                self._inc[b] = (1 - w) * self._inc.get(b, 0.0) + w * max(0.0, mean - prev)
+                prev = mean
+            total = 0.0
+            for b in self.grid_upto(self.max_budget):
+                if b not in self._inc:
+                    break
+                total += self._inc[b]
+                self.gain[b] = total
 
     def grid_upto(self, budget: int) -> list[int]:
         """The grid budgets in (0, budget]: the sub-budgets a round of ``budget`` observes."""
