@@ -78,18 +78,26 @@ def main(argv=None) -> int:
                     taus[b].append(sum(r.emitted for r in rounds) / max(1, len(rounds)))
                     if b == "auto":
                         chosen[b].update(r.budget for r in rounds)
-            plain = statistics.median(rates["plain"])
+            fixed = [b for b in budgets if b != "auto"]
+            best_fixed = max(fixed, key=lambda b: statistics.median(rates[b]))
             for b in budgets:
                 med = statistics.median(rates[b])
                 # the ratio within each sweep (same minute), then its median: load that drifts
                 # between sweeps cancels
-                paired = statistics.median(x / y for x, y in zip(rates[b], rates["plain"]))
+                ratios = [x / y for x, y in zip(rates[b], rates["plain"])]
+                paired = statistics.median(ratios)
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [paired, paired, paired]
                 rows.append({"batch": bs, "temperature": t, "budget": b, "tokens_per_s": med,
                              "runs": [round(x, 1) for x in rates[b]], "vs_plain": paired,
+                             "vs_plain_iqr": [q[0], q[2]],
                              "tau": statistics.median(taus[b]),
-                             "budgets_chosen": dict(sorted(chosen[b].items())) if b == "auto" else None})
-                print(f"batch {bs} T={t:g} {str(b):>6}: {med:7.1f} tok/s  x{paired:.2f} plain  tau "
-                      f"{statistics.median(taus[b]):.2f}" + (f"  chose {dict(chosen[b].most_common(6))}" if b == "auto" else ""),
+                             "budgets_chosen": dict(sorted(chosen[b].items())) if b == "auto" else None,
+                             "best_fixed": best_fixed if b == "auto" else None,
+                             "vs_best_fixed": statistics.median(x / y for x, y in zip(rates[b], rates[best_fixed]))
+                             if b == "auto" else None})
+                print(f"batch {bs} T={t:g} {str(b):>6}: {med:7.1f} tok/s  x{paired:.2f} plain (IQR {q[0]:.2f}-{q[2]:.2f})  tau "
+                      f"{statistics.median(taus[b]):.2f}" + (f"  x{rows[-1]['vs_best_fixed']:.2f} best fixed ({best_fixed})  chose "
+                                                         f"{dict(chosen[b].most_common(6))}" if b == "auto" else ""),
                       flush=True)
     import transformers
     meta = {"command": " ".join([sys.executable, *sys.argv]), "machine": platform.processor() or platform.machine(),

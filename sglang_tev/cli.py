@@ -574,7 +574,7 @@ def _cmd_generate_batch(args, file_prompts: list) -> int:
     ``--batch-size`` rows; stdout: one JSON line per prompt in input order ({"index", "id", "text",
     "token_ids", "new_tokens", "rounds", "tau", "finish_reason"}); one summary line on stderr."""
     from .hf.datasets import Prompt, encode_prompt
-    from .sampling import GREEDY_EPS, SamplingParams
+    from .sampling import SamplingParams
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError("--batch-size", f"must be >= 1, got {args.batch_size}")

@@ -172,14 +172,14 @@ def test_controller_calibrates_then_maximises_tokens_per_second():
     assert first == [64, 0, 16]
     # rates: plain 100, B4 143, B16 156, B64 80 tokens/s -> 16
     picks = Counter()
-    for _ in range(80):
+    for _ in range(300):
         b = ctl.choose(1)
         picks[b] += 1
         _feed(ctl, b, gains, seconds=seconds[b])
-    # every other budget is a probe (up: 64, across: plain, down: 4), as often as 2 % of the time
-    # pays for what they lose (64 loses ~20 ms a round, plain ~4 ms)
+    # every other budget is a probe (up: 64, across: plain, down: 4), as often as 1 % of the time
+    # pays for what they lose (64 loses ~20 ms a round, plain ~4 ms, 4 ~1 ms)
     assert picks.most_common(1)[0][0] == 16
-    assert 1 <= sum(v for b, v in picks.items() if b != 16) == ctl._explorations <= 6
+    assert 3 <= sum(v for b, v in picks.items() if b != 16) == ctl._explorations <= 15
     # a slow machine for trees: plain decoding wins
     slow = BudgetController(grid, _table({0: 0.010, 4: 0.05, 16: 0.06, 64: 0.2}))
     _feed(slow, 64, gains)

@@ -126,6 +126,7 @@ class CostTable:
     _recent: dict = field(default_factory=dict, repr=False)
     _raw: dict = field(default_factory=dict, repr=False)
     _pairs: list = field(default_factory=list, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)  # cost() answers since the last change
 
     def current_load(self) -> float:
         """The load of the current minute relative to the budget in use's usual one (see above)."""
@@ -154,6 +155,7 @@ class CostTable:
         del self._pairs[:-16]
         self.stamp += 1
         self.last[(batch, budget)] = self.stamp
+        self._memo.clear()
         seconds = norm
         recent.append(seconds)
         del recent[:-self.window]
@@ -165,6 +167,7 @@ class CostTable:
         Raises ``ValueError`` naming ``seconds`` unless it is a finite number > 0."""
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
+        self._memo.clear()
         self._recent[(batch, budget)] = [float(seconds)]
         self.counts.setdefault(batch, {})[budget] = int(count)
         self.seconds.setdefault(batch, {})[budget] = float(seconds)
@@ -179,23 +182,25 @@ class CostTable:
         size's measured tree budgets (one measured budget: that one only). A batch size with
         nothing for ``budget`` reads the nearest batch size that has it (a batch that shrinks as
         rows finish needs no new calibration). None when nothing applies."""
-        for b in sorted(self.seconds, key=lambda x: (x != batch, abs(x - batch), x)):
-            c = self._at(b, budget)
-            if c is not None:
-                return c
-        return None
+        key = (batch, budget)
+        if key not in self._memo:  # asked ~10 times a round; the table changes once a round
+            self._memo[key] = next((c for b in sorted(self.seconds, key=lambda x: (x != batch, abs(x - batch), x))
+                                    if (c := self._at(b, budget)) is not None), None)
+        return self._memo[key]
 
     def _at(self, batch: int, budget: int) -> float | None:
         row = self.seconds.get(batch, {})
         if budget == 0:
             return row.get(0)
-        cnt = self.counts.get(batch, {})
-        pts = sorted((b, s, min(self.window, max(1, cnt.get(b, 1)))) for b, s in row.items() if b > 0)
-        if not pts:
+        fit = self._memo.get(("fit", batch))
+        if fit is None:
+            cnt = self.counts.get(batch, {})
+            pts = sorted((b, s, min(self.window, max(1, cnt.get(b, 1)))) for b, s in row.items() if b > 0)
+            fit = self._memo[("fit", batch)] = _monotone(pts)
+        if not fit:
             return None
-        if len(pts) == 1:
-            return pts[0][1] if pts[0][0] == budget else None
-        fit = _monotone(pts)
+        if len(fit) == 1:
+            return fit[0][1] if fit[0][0] == budget else None
         xs = [b for b, _ in fit]
         j = max(1, min(len(fit) - 1, next((i for i, x in enumerate(xs) if x >= budget), len(fit) - 1)))
         (x0, y0), (x1, y1) = fit[j - 1], fit[j]
@@ -255,18 +260,21 @@ class BudgetController:
             with this weight (they follow a drifting acceptance).
         margin: a new budget replaces the current one only when its rate is higher by this
             fraction (no flapping between budgets of nearly equal rate).
+        regime_margin: the same between plain decoding and a tree: switching costs a round or two
+            (the first tree round after plain ones writes their drafter context; the first plain
+            one after a tree moves the kept mask back), on this CPU 1-5 ms.
 
     Attributes:
         history: ``(batch, budget)`` of every round, for reports and tests.
     """
 
-    def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.02, min_gap: int = 3,
-                 alpha: float = 0.05, margin: float = 0.03) -> None:
+    def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.01, min_gap: int = 3,
+                 alpha: float = 0.05, margin: float = 0.03, regime_margin: float = 0.10) -> None:
         g = sorted(set(int(x) for x in grid))
         if not g or g[0] < 0 or g[-1] < 1:
             raise ValueError(f"grid: budgets >= 0 with at least one > 0, got {list(grid)!r}")
         self.grid, self.costs = g, costs
-        self.alpha, self.margin = alpha, margin
+        self.alpha, self.margin, self.regime_margin = alpha, margin, regime_margin
         self.gain: dict[int, float] = {}          # budget -> mean accepted draft tokens
         self._n: dict[int, int] = {}
         self._inc: dict[int, float] = {}          # budget -> its gain over the next smaller grid budget
@@ -278,6 +286,7 @@ class BudgetController:
         self.allowance = 0.0                       # seconds (table scale) probes may still lose
         self._since, self._explorations = 0, 0
         self._current: dict[int, int] = {}        # batch -> budget in use
+        self._calibrated: set[int] = set()        # batch sizes past calibration
         self.history: list[tuple[int, int]] = []
 
     @property
@@ -297,14 +306,17 @@ class BudgetController:
         return None if e is None or c is None else e / c
 
     def best(self, batch: int) -> int | None:
-        """The budget of highest known rate, keeping the current one unless beaten by ``margin``."""
+        """The budget of highest known rate, keeping the current one unless beaten by ``margin``
+        (``regime_margin`` between plain decoding and a tree)."""
         known = {b: r for b in self.grid if (r := self.rate(batch, b)) is not None}
         if not known:
             return None
         top = max(known, key=lambda b: (known[b], -b))
         cur = self._current.get(batch)
-        if cur in known and known[top] <= known[cur] * (1 + self.margin):
-            return cur
+        if cur in known:
+            margin = self.regime_margin if (cur == 0) != (top == 0) else self.margin
+            if known[top] <= known[cur] * (1 + margin):
+                return cur
         return top
 
     def choose(self, batch: int) -> int:
@@ -316,21 +328,25 @@ class BudgetController:
         down in turn) when the exploration allowance covers what it is expected to lose
         (``explore_share``). Costs drift with the machine's load: a cost timed in a slow minute
         would otherwise never be re-read."""
-        top = self.max_budget
-        if top not in self.gain or self.costs.cost(batch, top) is None:
-            return self._log(batch, top)
-        if 0 in self.grid and self.costs.cost(batch, 0) is None:
-            return self._log(batch, 0)
-        positive = [b for b in self.grid if b > 0]
-        if any(self.costs.cost(batch, b) is None for b in positive):
-            mid = positive[len(positive) // 2]
-            return self._log(batch, mid if not self.costs.measured(batch, mid) else positive[0])
+        if batch not in self._calibrated:
+            top = self.max_budget
+            if top not in self.gain or self.costs.cost(batch, top) is None:
+                return self._log(batch, top)
+            if 0 in self.grid and self.costs.cost(batch, 0) is None:
+                return self._log(batch, 0)
+            positive = [b for b in self.grid if b > 0]
+            if any(self.costs.cost(batch, b) is None for b in positive):
+                mid = positive[len(positive) // 2]
+                return self._log(batch, mid if not self.costs.measured(batch, mid) else positive[0])
+            self._calibrated.add(batch)  # costs and gains, once known, stay known
         best = self.best(batch)
         self._current[batch] = best
         self._since += 1
         self.allowance += self.explore_share * self.costs.cost(batch, best)
+        if self._since < self.min_gap:
+            return self._log(batch, best)
         probe = self._next_probe(batch, best)
-        if probe is None or self._since < self.min_gap:
+        if probe is None:
             return self._log(batch, best)
         loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - self.rate(batch, probe) / self.rate(batch, best))
         if loss > self.allowance:
