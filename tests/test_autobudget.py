@@ -428,9 +428,13 @@ def test_run_tune_measures_every_configuration_and_picks_the_fastest():
         else:
             assert r["speculative_num_draft_tokens"] == r["budget"] + 1 and r["tau"] > 1.0
     assert {r["verifier"] for r in rows if r["temperature"] == 0 and r["budget"]} == {"tev"}
-    for best in res["best"]:
+    for best in res["best"]:  # ranked by the within-sweep ratio to plain decoding
         group = [r for r in rows if (r["batch"], r["temperature"]) == (best["batch"], best["temperature"])]
-        assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in group)
+        assert best["vs_plain"] == max(r["vs_plain"] for r in group)
+    no_plain = run_tune(gen, prompts, batch_sizes=[1], temperatures=[0.0], budgets=[2, 6], max_new_tokens=6,
+                        repeats=1)
+    assert no_plain["best"][0]["tokens_per_s"] == max(r["tokens_per_s"] for r in no_plain["rows"])
+    assert all(r["vs_plain"] is None for r in no_plain["rows"])
     table = CostTable.from_json(res["cost_table"])
     assert table.frozen and table.measured(3, 0) and table.measured(1, 6)
     text = format_tune(res)
