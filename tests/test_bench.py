@@ -23,11 +23,12 @@ from sglang_tev.hf.runtime import SpeculativeGenerator
 from tiny_pair import build_pair
 
 MAX_POS = 512
-KEYS = {"method": str, "budget": (int, type(None)), "temperature": float, "draft_mode": (str, type(None)),
+KEYS = {"method": str, "budget": (int, str, type(None)), "temperature": float, "draft_mode": (str, type(None)),
         "prompts": int, "new_tokens": int,
         "rounds": int, "tau": float, "accept_len_mean": float, "coverage_mean": float, "tokens_per_s": float,
         "tokens_per_s_iqr": list, "speedup": (float, type(None)), "speedup_iqr": (list, type(None)),
-        "repeats": int, "repeat_spread": float, "stage_ms": dict, "skipped_prompts": int}
+        "repeats": int, "repeat_spread": float, "stage_ms": dict, "skipped_prompts": int,
+        "budgets_chosen": (dict, type(None))}
 STAGES = {"draft", "build", "tree_forward", "verify", "commit"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -194,7 +195,7 @@ def test_run_bench_api_with_an_oracle_drafter(tmp_path, pair):
 
 BAD = [
     (["--budgets", "-1"], "--budgets", "budgets must be >= 0"),
-    (["--budgets", "a,b"], "--budgets", "comma-separated integers"),
+    (["--budgets", "a,b"], "--budgets", "'auto' or an integer"),
     (["--temperatures", "-1"], "--temperatures", ">= 0"),
     (["--methods", "tev,bogus"], "--methods", "bogus"),
     (["--limit", "0"], "--limit", ">= 1"),
