@@ -351,13 +351,13 @@ def test_help_has_examples(capsys):
 
 
 ONE_LINE = [
-    (["generate", "--budget", "abc", "x"], "argument --budget: invalid int value: 'abc'"),
+    (["generate", "--budget", "abc", "x"], "argument --budget: expected 'auto' or an integer, got 'abc'"),
     (["generate", "--temperature", "hot", "x"], "argument --temperature: invalid float value: 'hot'"),
     (["generate", "--verifier", "bogus", "x"], "argument --verifier: invalid choice: 'bogus'"),
     (["generate", "--budget", "-1", "x"], "argument --budget: must be >= 0, got -1"),
     (["generate"], "argument PROMPT: give a prompt, '-' to read it from stdin, or --prompts-file FILE"),
     (["generate", "x", "--bogus"], "unrecognized arguments: --bogus"),
-    (["bench", "--budgets", "a,b", "--dataset", "humaneval"], "argument --budgets: expected comma-separated integers"),
+    (["bench", "--budgets", "a,b", "--dataset", "humaneval"], "argument --budgets: expected 'auto' or an integer, got 'a'"),
     (["bench"], "the following arguments are required: --dataset"),
     (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
 ]

@@ -52,7 +52,7 @@ def runtime_round(gen, ids, budget, temperature, monkeypatch):
 
     got = {}
 
-    def capture(state, tree, logits):
+    def capture(state, tree, logits, reach_at=None):
         got["tree"], got["logits"] = tree, logits.clone()
         raise _Stop
 
