@@ -614,7 +614,9 @@ def _cmd_generate_batch(args, file_prompts: list) -> int:
     toks = sum(len(r.token_ids) for r in results)
     rounds = sum(len(r.rounds) for r in results)
     print(f"[{PROG}] {len(results)} prompts, {toks} tokens, {rounds} row-rounds, tau {toks / max(rounds, 1):.2f}, "
-          f"{toks / wall:.1f} tok/s over the batch, method={method}, batch_size={args.batch_size or len(results)}",
+          f"{toks / wall:.1f} tok/s over the batch, method={method}, batch_size={args.batch_size or len(results)}"
+          + (f", budget={args.budget}" + (f" [{_chosen_budgets([x for r in results for x in r.rounds])}]"
+                                          if args.budget == "auto" else "") if method in VERIFIERS else ""),
           file=sys.stderr, flush=True)
     return 0
 

@@ -481,3 +481,15 @@ def test_cli_tune_writes_a_cost_table_that_generate_reads(tmp_path, capsys):
                        (["tune", "--batch-sizes", "0"], "--batch-sizes"), (["tune", "--output", str(tmp_path)], "--output")):
         assert main(argv) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_a_frozen_table_is_chosen_within_and_one_without_trees_is_refused(tmp_path):
+    """A tune table that timed only some budgets: auto never runs a budget it holds no cost for
+    (a frozen table times nothing, so calibrating the largest grid budget would never end)."""
+    frozen = CostTable.from_json({"seconds": {"1": {"0": 0.010, "4": 0.030}}})
+    ctl = BudgetController(DEFAULT_GRID, frozen)
+    picks = _run(ctl, 40, {b: 0.3 for b in DEFAULT_GRID}, {b: 0.02 for b in DEFAULT_GRID})
+    assert set(picks) <= {0, 4} and picks.count(0) > 30  # 1.3 tokens per 30 ms loses to 1 per 10 ms
+    for bad in ({"seconds": {}}, {"seconds": {"1": {"0": 0.01}}}):
+        with pytest.raises(ValueError, match="cost_table: holds no tree budget"):
+            CostTable.from_json(bad)

@@ -223,6 +223,8 @@ class CostTable:
             raise ValueError(f"cost_table: not a cost table ({e!r})") from None
         if any(not (v > 0 and math.isfinite(v)) for r in sec.values() for v in r.values()):
             raise ValueError("cost_table: every entry must be a finite number of seconds > 0")
+        if not any(any(b > 0 for b in r) for r in sec.values()):
+            raise ValueError("cost_table: holds no tree budget (> 0) at any batch size; nothing to choose from")
         return cls(sec, cnt, frozen=frozen)
 
     @classmethod
@@ -329,13 +331,15 @@ class BudgetController:
         (``explore_share``). Costs drift with the machine's load: a cost timed in a slow minute
         would otherwise never be re-read."""
         if batch not in self._calibrated:
-            top = self.max_budget
+            # a frozen table never times a round: calibrate over the budgets it holds
+            costed = [b for b in self.grid if b > 0 and self.costs.cost(batch, b) is not None]
+            top = max(costed) if self.costs.frozen and costed else self.max_budget
             if top not in self.gain or self.costs.cost(batch, top) is None:
                 return self._log(batch, top)
-            if 0 in self.grid and self.costs.cost(batch, 0) is None:
+            if 0 in self.grid and self.costs.cost(batch, 0) is None and not self.costs.frozen:
                 return self._log(batch, 0)
             positive = [b for b in self.grid if b > 0]
-            if any(self.costs.cost(batch, b) is None for b in positive):
+            if any(self.costs.cost(batch, b) is None for b in positive) and not self.costs.frozen:
                 mid = positive[len(positive) // 2]
                 return self._log(batch, mid if not self.costs.measured(batch, mid) else positive[0])
             self._calibrated.add(batch)  # costs and gains, once known, stay known
@@ -346,7 +350,7 @@ class BudgetController:
         if self._since < self.min_gap:
             return self._log(batch, best)
         probe = self._next_probe(batch, best)
-        if probe is None:
+        if probe is None or self.rate(batch, probe) is None:  # (a frozen table without its cost)
             return self._log(batch, best)
         loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - self.rate(batch, probe) / self.rate(batch, best))
         if loss > self.allowance:

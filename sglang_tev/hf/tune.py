@@ -12,7 +12,8 @@ The result, per (batch size, temperature): the budget and verifier of highest me
 plain decoding within a sweep (of highest median tokens/s when plain decoding is not measured),
 written as SGLang's ``--speculative-num-draft-tokens N`` (N = 1 + budget; budget 0: run without
 speculation) and ``SGLANG_TEV_VERIFIER``; and a frozen :class:`~sglang_tev.hf.autobudget.CostTable`
-(seconds per round by batch size and budget, wall time / rounds of each median run) that
+(seconds per round by batch size and budget at the first temperature measured: decode time /
+rounds of each median run, the prefill left out) that
 ``generate(budget="auto")`` / ``sglang-tev generate --cost-table`` reads instead of timing rounds
 itself (then seeded sampled runs repeat exactly).
 
@@ -117,7 +118,10 @@ def run_tune(generator, prompts: Sequence, batch_sizes: Sequence[int] = (1, 8),
                 dt = time.perf_counter() - t0
                 n_tok = sum(len(r.token_ids) for r in res)
                 n_rounds = max(len(r.rounds) for r in res)  # rows of a batch share rounds
-                return n_tok / dt, n_tok / max(1, sum(len(r.rounds) for r in res)), dt / max(1, n_rounds)
+                # seconds per round without the prefill (which plain decoding's many rounds would
+                # dilute more than a tree's few): the decode time the results report
+                decode = max((len(r.token_ids) / r.tokens_per_s for r in res if r.tokens_per_s > 0), default=dt)
+                return n_tok / dt, n_tok / max(1, sum(len(r.rounds) for r in res)), decode / max(1, n_rounds)
 
             for cfg in configs:
                 run(cfg, seed)  # warm-up sweep: first shapes allocate
@@ -130,7 +134,7 @@ def run_tune(generator, prompts: Sequence, batch_sizes: Sequence[int] = (1, 8),
             for (v, b), ms in meas.items():
                 rate = statistics.median(m[0] for m in ms)
                 per_round = statistics.median(m[2] for m in ms)
-                if b == 0 or v == verifiers[0]:
+                if t == temperatures[0] and (b == 0 or v == verifiers[0]):  # one table: the first T's
                     table.set(bs, b, per_round, len(ms))
                 row = {"batch": bs, "temperature": t, "verifier": v, "budget": b,
                        "speculative_num_draft_tokens": None if b == 0 else b + 1,
