@@ -625,8 +625,8 @@ def _use_cost_table(gen, args) -> None:
     """``--cost-table FILE``: the generator's ``budget="auto"`` reads this frozen table."""
     if getattr(args, "cost_table", None) is None:
         return
-    gen.cost_table = args.cost_table  # loaded and checked by _check_generate_args
-    gen._controllers.clear()
+    gen.cost_table = args.cost_table  # loaded and checked by _check_generate_args (the generator
+    # replaces each controller built on another table)
 
 
 def cmd_generate(args) -> int:

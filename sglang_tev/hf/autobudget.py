@@ -44,29 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-__all__ = ["AUTO", "DEFAULT_GRID", "CostTable", "BudgetController", "parse_budget"]
+__all__ = ["AUTO", "DEFAULT_GRID", "CostTable", "BudgetController"]
 
 AUTO = "auto"
 DEFAULT_GRID = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 """Budgets ``budget="auto"`` chooses from (0 = a plain decoding round). The largest is the
 default ``max_budget``."""
-
-
-def parse_budget(value, max_budget: int) -> int | str:
-    """``"auto"`` or an int budget in [0, max_budget] (an int-like string is accepted: CLI input).
-    Raises ``ValueError`` naming ``budget``."""
-    if isinstance(value, str):
-        if value.strip().lower() == AUTO:
-            return AUTO
-        try:
-            value = int(value)
-        except ValueError:
-            raise ValueError(f"budget must be 'auto' or an int >= 0, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"budget must be 'auto' or an int >= 0, got {value!r}")
-    if value > max_budget:
-        raise ValueError(f"budget must be <= {max_budget}, got {value}")
-    return value
 
 
 def _monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
@@ -93,9 +76,9 @@ class CostTable:
     is read from a monotone fit across budgets: the weighted medians, made non-decreasing in the
     budget (:func:`_monotone`), interpolated linearly between measured budgets, extended above
     the largest by the last segment's slope and held flat below the smallest. So every tree
-    round informs every tree budget
-    (a CPU's round times grow by a fraction of a percent per node, less than the noise of
-    one budget's rounds), while a GPU's flat-then-rising cost keeps its shape.
+    round informs every tree budget (a CPU's round times grow by a fraction of a percent per
+    node, less than the noise of one budget's rounds), while a GPU's flat-then-rising cost keeps
+    its shape.
 
     The machine's load. A shared machine runs the same round 1.5-2x slower in a busy minute, and a
     budget timed only by occasional probes would carry the minute it was timed in. So each round
@@ -156,8 +139,7 @@ class CostTable:
         self.stamp += 1
         self.last[(batch, budget)] = self.stamp
         self._memo.clear()
-        seconds = norm
-        recent.append(seconds)
+        recent.append(norm)
         del recent[:-self.window]
         # the median of the last few rounds: a round slowed by a neighbour does not set the cost
         self.seconds.setdefault(batch, {})[budget] = statistics.median(recent)
@@ -310,7 +292,7 @@ class BudgetController:
     def best(self, batch: int) -> int | None:
         """The budget of highest known rate, keeping the current one unless beaten by ``margin``
         (``regime_margin`` between plain decoding and a tree)."""
-        known = {b: r for b in self.grid if (r := self.rate(batch, b)) is not None}
+        known = self._rates(batch, self.grid)
         if not known:
             return None
         top = max(known, key=lambda b: (known[b], -b))
@@ -350,9 +332,10 @@ class BudgetController:
         if self._since < self.min_gap:
             return self._log(batch, best)
         probe = self._next_probe(batch, best)
-        if probe is None or self.rate(batch, probe) is None:  # (a frozen table without its cost)
+        probe_rate = None if probe is None else self.rate(batch, probe)
+        if probe_rate is None:  # nothing to probe, or (a frozen table) no cost for it
             return self._log(batch, best)
-        loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - self.rate(batch, probe) / self.rate(batch, best))
+        loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - probe_rate / self.rate(batch, best))
         if loss > self.allowance:
             return self._log(batch, best)
         self.allowance -= loss
@@ -386,8 +369,13 @@ class BudgetController:
 
     def best_tree(self, batch: int) -> int:
         """The tree budget (> 0) of highest known rate (the largest budget while none is known)."""
-        known = {b: r for b in self.grid if b > 0 and (r := self.rate(batch, b)) is not None}
+        known = self._rates(batch, [b for b in self.grid if b > 0])
         return max(known, key=lambda b: (known[b], -b)) if known else self.max_budget
+
+    def _rates(self, batch: int, budgets) -> dict[int, float]:
+        """``{budget: rate}`` of the budgets whose rate is known (ties go to the smaller budget
+        in both argmaxes over it)."""
+        return {b: r for b in budgets if (r := self.rate(batch, b)) is not None}
 
     def _log(self, batch: int, budget: int) -> int:
         self.history.append((batch, budget))

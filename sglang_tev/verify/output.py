@@ -133,13 +133,14 @@ class VerifyOutput:
         rows = torch.cat(parts, 1).tolist()  # the one transfer
         acc = [int(h[2 * n]) for h in rows]
         nodes = [int(h[2 * n + 2]) for h in rows]
+        paths = [[int(x) for x in h[: a + 1]] for h, a in zip(rows, acc)]
         reach_cum = None
         if n_reach:
             reach_cum = ([h[-n_reach:] for h in rows] if self.reach is not None
-                         else [_path_reach([int(x) for x in h[: a + 1]], reach_at) for h, a in zip(rows, acc)])
+                         else [_path_reach(p, reach_at) for p in paths])
         return HostDecision(
             reach_cum=reach_cum,
-            paths=[[int(x) for x in h[: a + 1]] for h, a in zip(rows, acc)],
+            paths=paths,
             path_tokens=[[int(x) for x in h[n: n + a + 1]] for h, a in zip(rows, acc)],
             accept_len=acc,
             bonus=[int(h[2 * n + 1]) for h in rows],
