@@ -160,3 +160,28 @@ def test_shipped_model_tree_forward_captures_in_one_graph():
     assert isinstance(graph.out[1], torch.Tensor)  # the context features are a graph output too
     eager = SpeculativeGenerator(gen.target, gen.drafter, gen.tokenizer, static_shapes=True)  # the same drafter
     assert eager.generate(prompt, budget=8, max_new_tokens=24, ignore_eos=True).token_ids == out.token_ids
+
+
+def test_context_kept_over_plain_rounds_survives_the_next_replays(monkeypatch):
+    """``budget="auto"`` keeps the drafter's context of plain rounds for the next draft, and a
+    graph's outputs (the context features among them) are overwritten by its next replay: the
+    graphed runtime hands the drafter copies, so its drafts, and so its accept lengths, are the
+    eager static-shape runtime's over a script of tree rounds with plain stretches between them
+    (without the copies the kept context is the last plain round's, repeated)."""
+    from sglang_tev.hf.autobudget import BudgetController
+
+    script = [8, 0, 0, 0, 8, 0, 0, 8, 8, 0, 0, 0, 0, 8] * 3
+
+    def scripted(self, batch):
+        return self._log(batch, script[len(self.history) % len(script)])
+
+    monkeypatch.setattr(BudgetController, "choose", scripted)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    gen = SpeculativeGenerator.from_pretrained(cuda_graphs=True, graph_backend=EmulatedCudaGraphs(trace=False))
+    eager = SpeculativeGenerator(gen.target, gen.drafter, gen.tokenizer, static_shapes=True)
+    runs = [g.generate(prompt, budget="auto", max_new_tokens=60, ignore_eos=True) for g in (gen, eager)]
+    assert gen.graph_stats["captures"] == 2 and gen.graph_stats["fallbacks"] == 0  # (1, 9) and (1, 1)
+    assert [r.budget for r in runs[0].rounds] == [r.budget for r in runs[1].rounds]
+    assert [r.accept_len for r in runs[0].rounds] == [r.accept_len for r in runs[1].rounds]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert sum(r.accept_len for r in runs[0].rounds if r.budget) >= 10  # the drafts are accepted

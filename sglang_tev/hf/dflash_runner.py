@@ -48,6 +48,13 @@ MAX_DEFERRED = 64
 """Context tokens a drafter defers at most (plain decoding rounds of ``budget="auto"`` add one each)."""
 
 
+def _joined(features: list, positions: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deferred context's pieces as one ``(features [b, T, F], positions [b, T])``."""
+    if len(features) == 1:
+        return features[0], positions[0]
+    return torch.cat(features, 1), torch.cat(positions, 1)
+
+
 def _last_writes(positions: torch.Tensor) -> torch.Tensor:
     """bool [b, T]: entry j of a row is the last one written to its position (no later j' of the
     row has the same position). Deferred contexts of several rounds may write one slot twice."""
@@ -78,7 +85,8 @@ class StaticDFlashDrafter:
         self.target_layer_ids = tuple(model.target_layer_ids)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._pending: tuple[slice, torch.Tensor, torch.Tensor] | None = None  # a deferred add_context
+        # a deferred add_context: (rows, [features], [positions], tokens), concatenated once when written
+        self._pending: tuple[slice, list, list, int] | None = None
         self._tables_key = None
         self._cos = self._sin = self._arange = self._mask_embed = None
 
@@ -110,10 +118,11 @@ class StaticDFlashDrafter:
         return self._cos[index][:, None], self._sin[index][:, None]
 
     def start(self, rows: int, max_len: int, device) -> None:
-        """New generation call (flushes a deferred context first, then (re)allocates the buffers
+        """New generation call: drops a deferred context (the last call's rows are done; a new
+        row's prefill writes its whole context), then (re)allocates the buffers
         ``[rows, kv_heads, max_len + K + 1, head_dim]`` per layer; the last slot is never read:
-        context padding that would land on a block slot is sent there by the fused scatter)."""
-        self._flush()
+        context padding that would land on a block slot is sent there by the fused scatter."""
+        self._pending = None
         cfg = self.model.config
         dtype = self.model.fc.weight.dtype
         shape = (rows, cfg.num_key_value_heads, max_len + self.block_size + 1, cfg.head_dim)
@@ -141,21 +150,24 @@ class StaticDFlashDrafter:
         (a padded path slot that a later commit fills) the later one wins, as in a cache."""
         short = features.dim() == 3 and features.shape[1] <= self.block_size
         p = self._pending
-        if short and p is not None and p[0] == rows and p[1].shape[1] + features.shape[1] <= MAX_DEFERRED \
-                and p[1].shape[0] == features.shape[0]:
-            self._pending = (rows, torch.cat([p[1], features], 1), torch.cat([p[2], positions], 1))
+        if short and p is not None and p[0] == rows and p[3] + features.shape[1] <= MAX_DEFERRED \
+                and p[1][0].shape[0] == features.shape[0]:
+            p[1].append(features)  # one cat when written, not one per plain round
+            p[2].append(positions)
+            self._pending = (rows, p[1], p[2], p[3] + features.shape[1])
             return
         self._flush()
         if short:
-            self._pending = (rows, features, positions)
+            self._pending = (rows, [features], [positions], features.shape[1])
         else:
             self._write_context(rows, features, positions)
 
     def _flush(self) -> None:
         """Write a deferred context now."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._write_context(*pending)
+            rows, feats, pos, _ = self._pending
+            self._pending = None
+            self._write_context(rows, *_joined(feats, pos))
 
     @torch.inference_mode()
     def _write_context(self, rows: slice, features: torch.Tensor, positions: torch.Tensor) -> None:
@@ -245,7 +257,7 @@ class StaticDFlashDrafter:
         rp = root_pos.view(b, 1)
         pos = rp + self._arange[:k_blk]  # [b, K'] block positions
         if pending is not None:
-            _, features, ctx_pos = pending
+            features, ctx_pos = _joined(pending[1], pending[2])
             ctx = m.hidden_norm(m.fc(features.to(dtype)))  # [b, T, H]
             t = ctx.shape[1]
             # context slots at or past the root are padding; the block owns them: send them to the

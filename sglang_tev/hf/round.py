@@ -148,7 +148,9 @@ def run_round(state: BatchState) -> list[int]:
         state.budget = ctl.choose(b)
     lens = to_device([r.past_len for r in rows], torch.int64, state.device)
     roots = to_device([r.ids[-1] for r in rows], torch.int64, state.device)
-    depth_cap = [row_depth_cap(state, r) for r in rows]
+    # a plain decoding step (budget 0 under auto) drafts nothing: no depth caps to read
+    plain_step = state.budget == 0 and state.method != "chain"
+    depth_cap = [0] * b if plain_step else [row_depth_cap(state, r) for r in rows]
 
     drafted = draft(state, sl, roots, lens, depth_cap)
     lap("draft")
@@ -417,7 +419,8 @@ def commit(state: BatchState, sl: slice, tree: DraftTree, lens, feats, dec, time
     paths = dec.paths
     w = max(len(p) for p in paths)
     if feats is not None or w > 1:
-        in_place = all(p == list(range(len(p))) for p in paths)  # nodes 0..a already sit in slots 0..a
+        # nodes 0..a already sit in slots 0..a (always so for root-only paths)
+        in_place = w == 1 or all(p == list(range(len(p))) for p in paths)
         if b == 1:  # one row: slices, a C move and one index_select, no index grids
             start = rows[0].past_len
             dst = state.slot_ids[start: start + w].view(1, w)
@@ -436,7 +439,9 @@ def commit(state: BatchState, sl: slice, tree: DraftTree, lens, feats, dec, time
                 if feats is not None:
                     ctx = feats.gather(1, src.unsqueeze(-1).expand(b, w, feats.shape[-1]))
         if feats is not None:
-            state.pending_context = (sl, ctx, dst)
+            # a CUDA graph's outputs are overwritten by its next replay, and the drafter may keep
+            # the context over plain rounds (budget auto): hand it a copy there
+            state.pending_context = (sl, ctx if state.graphs is None else ctx.clone(), dst)
     # host bookkeeping
     finished = []
     writes_r, writes_c, writes_t = [], [], []
