@@ -86,15 +86,17 @@ def grouped_causal_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor
         raise ValueError(f"delta: expected ({b}, {t}, {taps}, {h // group_size}) with base "
                          f"({taps}, {h}), got {tuple(delta.shape)} and {tuple(base.shape)}")
     g = h // group_size
-    xs = x.view(b, t, g, group_size)
-    coef = base.to(x.dtype).view(1, 1, taps, g, group_size) + delta.to(x.dtype)[..., None]
-    out = coef[:, :, 0] * xs
     span = t if block_len is None else block_len
-    pos = torch.arange(t, device=x.device) % span  # position inside the block
-    for j in range(1, min(taps, span, t)):  # taps >= the block length only ever read padding
-        shifted = F.pad(xs[:, :-j], (0, 0, 0, 0, j, 0))  # x[t - j], zero before the sequence
-        shifted = torch.where((pos >= j).view(1, t, 1, 1), shifted, 0.0)  # ... and before the block
-        out = out + coef[:, :, j] * shifted
+    nb = -(-t // span)
+    # x[t - j] for every tap j at once, zero before each block: pad every block's front with
+    # taps - 1 zeros and take sliding windows (window k ends at block position k; its element
+    # i is x[k - (taps - 1 - i)], so the taps are read in reverse)
+    xb = x if nb * span == t else F.pad(x, (0, 0, 0, nb * span - t))
+    xb = F.pad(xb.reshape(b, nb, span, h), (0, 0, taps - 1, 0))
+    win = xb.unfold(2, taps, 1).reshape(b, nb * span, g, group_size, taps)[:, :t]  # [b, T, G, gs, taps]
+    coef = (base.to(x.dtype).flip(0).t().reshape(1, 1, g, group_size, taps)
+            + delta.to(x.dtype).flip(2).transpose(2, 3).unsqueeze(3))  # [b, T, G, gs, taps], reversed taps
+    out = (coef * win).sum(-1)
     return out.reshape(b, t, h)
 
 
