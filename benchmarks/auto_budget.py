@@ -3,7 +3,7 @@
 
 One process, the generator loaded once; every configuration is warmed up once (untimed; auto's
 controller and cost table then carry over, as in a server or a long session), then ``--runs``
-interleaved sweeps time each configuration in turn (same minute), and the median tokens/s per
+interleaved sweeps time each configuration in turn (same minute, in an order shuffled per sweep), and the median tokens/s per
 configuration is reported with the budgets auto chose. Batch 1: the README's prompt. Batch 8:
 the first 8 HumanEval prompts decoded as one batch.
 
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="the sweeps' order (shuffled per sweep)")
     args = p.parse_args(argv)
 
     import torch
@@ -70,8 +72,11 @@ def main(argv=None) -> int:
             rates = {b: [] for b in budgets}
             chosen = {b: Counter() for b in budgets}
             taus = {b: [] for b in budgets}
+            order = random.Random(args.seed)
             for i in range(args.runs):
-                for b in budgets:
+                sweep = list(budgets)
+                order.shuffle(sweep)  # no configuration always runs first or right after another
+                for b in sweep:
                     rate, res = run(b, i)
                     rates[b].append(rate)
                     rounds = [r for x in res for r in x.rounds]

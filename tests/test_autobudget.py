@@ -235,6 +235,38 @@ def test_controller_rereads_a_cost_measured_in_a_slow_minute():
     picks = _run(ctl, 1000, gains, true)
     back = next(i for i in range(len(picks)) if picks[i:i + 10].count(16) >= 8)
     assert 20 < back < 400 and picks[-100:].count(16) >= 80
+    assert (1, 0, 16, True) in ctl.trials  # the way back was a trial, and it held
+
+
+def test_a_regime_switch_is_tried_against_the_same_minute_and_undone_when_it_loses():
+    """Plain decoding wins (trees cost 3x and more), but one fast probe round makes budget 8 look
+    faster in the table. The switch is a trial: five rounds of 8, whose tokens per second (the
+    first left out) lose to plain decoding's last rounds, so the controller goes back and waits
+    32 rounds (then 64, ...) before it tries again; probes still run meanwhile."""
+    grid, gains = (0, 8, 32), {8: 1.0, 32: 1.5}
+    true = {0: 0.010, 8: 0.030, 32: 0.045}
+    ctl = BudgetController(grid, CostTable(), explore_share=0.0)
+    assert _run(ctl, 3, gains, true) == [32, 0, 8]  # calibration
+    _run(ctl, 20, gains, true)
+    assert ctl._current[1] == 0 and not ctl.trials
+    for _ in range(12):  # a burst of fast budget-8 rounds: its median now reads 12 ms (rate 167 > 100)
+        _feed(ctl, 8, gains, seconds=0.012)
+    while ctl._age[1] < ctl.min_gap:  # up to the next re-read of the choice
+        _run(ctl, 1, gains, true)
+    picks = _run(ctl, 5, gains, true)
+    assert picks == [8] * 5 and ctl._trial  # on trial
+    after = _run(ctl, 30, gains, true)
+    assert ctl.trials == [(1, 0, 8, False)] and after == [0] * 30  # undone, cooling down
+    # the table still reads 8 as fast (its window of 15 holds 10 of the fast rounds): after the
+    # cool-down it is tried again and loses again, and each wait is twice as long as the last
+    later = _run(ctl, 200, gains, true)
+    assert [t[3] for t in ctl.trials] == [False] * len(ctl.trials) and 2 <= len(ctl.trials) <= 4
+    assert later.count(8) == 5 * (len(ctl.trials) - 1)
+    # a frozen table never tries: its choices repeat exactly (seeded runs repeat)
+    frozen = BudgetController(grid, _table({0: 0.010, 8: 0.012, 32: 0.045}))
+    frozen.costs.frozen = True
+    _feed(frozen, 32, gains)
+    assert frozen.choose(1) == 8 and not frozen._trial
 
 
 def test_gains_of_rarely_observed_budgets_follow_the_fresh_ones():
@@ -263,6 +295,9 @@ def test_controller_arguments():
         BudgetController((0,), CostTable())
     with pytest.raises(ValueError, match="grid"):
         BudgetController((-1, 4), CostTable())
+    for bad in (dict(explore_share=1.0), dict(min_gap=0), dict(trial_rounds=1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BudgetController((0, 4), CostTable(), **bad)
 
 
 # --------------------------------------------------------------------------- the runtime

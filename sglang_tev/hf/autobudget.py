@@ -25,7 +25,11 @@ gain — then plain decoding and the middle of the grid once each) and probes pa
 exploration allowance (``explore_share`` of the decoding time): gain probes (a larger budget
 than the best tree) and cost probes (the other regime: plain decoding while trees win, the trees
 while plain decoding wins) in turn; a probe nearly as good as the choice is nearly free and runs
-often, one far worse runs rarely (:class:`BudgetController`).
+often, one far worse runs rarely. A switch between plain decoding and the trees is a trial: the
+other regime's costs come from single probe rounds, each timed in its own minute, so the switch
+runs a few rounds first and is kept only if their tokens per second beat the regime before it,
+both timed in the same minute; a failed trial waits 32 rounds, doubling with each failure in a
+row, before the next (:class:`BudgetController`).
 
 Exactness: the choice reads only rounds that are already verified (their probabilities and their
 clocks), never the current round's draws, so every round's tree is fixed before its verifier
@@ -154,6 +158,11 @@ class CostTable:
         self.counts.setdefault(batch, {})[budget] = int(count)
         self.seconds.setdefault(batch, {})[budget] = float(seconds)
 
+    def raw(self, batch: int, budget: int) -> list[float]:
+        """The pair's last (up to 64) measured round times, in seconds as measured (no load
+        correction), oldest first."""
+        return self._raw.get((batch, budget), [])
+
     def measured(self, batch: int, budget: int) -> bool:
         return budget in self.seconds.get(batch, {})
 
@@ -166,8 +175,11 @@ class CostTable:
         rows finish needs no new calibration). None when nothing applies."""
         key = (batch, budget)
         if key not in self._memo:  # asked ~10 times a round; the table changes once a round
-            self._memo[key] = next((c for b in sorted(self.seconds, key=lambda x: (x != batch, abs(x - batch), x))
-                                    if (c := self._at(b, budget)) is not None), None)
+            c = self._at(batch, budget) if batch in self.seconds else None
+            if c is None:  # the nearest batch size that has it
+                c = next((c for b in sorted(self.seconds, key=lambda x: (abs(x - batch), x))
+                          if b != batch and (c := self._at(b, budget)) is not None), None)
+            self._memo[key] = c
         return self._memo[key]
 
     def _at(self, batch: int, budget: int) -> float | None:
@@ -239,7 +251,8 @@ class BudgetController:
             it is expected to lose against the choice (its seconds times one minus its rate over
             the choice's). Probes of budgets nearly as good as the choice are nearly free and run
             often (every ``min_gap`` rounds at most); probes of far worse ones rarely.
-        min_gap: rounds between two probes at least.
+        min_gap: rounds between two probes at least; the choice is re-read (every budget's rate)
+            every ``min_gap`` rounds, and a probe can start only in a round that re-read it.
         alpha: the gains are running means of past rounds until ``1 / alpha`` of them, then EMAs
             with this weight (they follow a drifting acceptance).
         margin: a new budget replaces the current one only when its rate is higher by this
@@ -247,13 +260,17 @@ class BudgetController:
         regime_margin: the same between plain decoding and a tree: switching costs a round or two
             (the first tree round after plain ones writes their drafter context; the first plain
             one after a tree moves the kept mask back), on this CPU 1-5 ms.
+        trial_rounds: rounds a switch between plain decoding and the trees runs on trial (see the
+            module docstring; the first is left out of the comparison). Not with a frozen table:
+            its choices stay a function of the table (seeded runs repeat).
 
     Attributes:
         history: ``(batch, budget)`` of every round, for reports and tests.
+        trials: ``(batch, from, to, kept)`` of the last 1,000 regime trials.
     """
 
     def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.01, min_gap: int = 3,
-                 alpha: float = 0.05, margin: float = 0.03, regime_margin: float = 0.10) -> None:
+                 alpha: float = 0.05, margin: float = 0.03, regime_margin: float = 0.10, trial_rounds: int = 5) -> None:
         g = sorted(set(int(x) for x in grid))
         if not g or g[0] < 0 or g[-1] < 1:
             raise ValueError(f"grid: budgets >= 0 with at least one > 0, got {list(grid)!r}")
@@ -270,6 +287,16 @@ class BudgetController:
         self.allowance = 0.0                       # seconds (table scale) probes may still lose
         self._since, self._explorations = 0, 0
         self._current: dict[int, int] = {}        # batch -> budget in use
+        self._cost_now: dict[int, float] = {}     # batch -> its cost when last read
+        self._age: dict[int, int] = {}            # batch -> rounds since the choice was read
+        if trial_rounds < 2:
+            raise ValueError(f"trial_rounds must be >= 2, got {trial_rounds!r}")
+        self.trial_rounds = int(trial_rounds)
+        self.rounds = 0                           # choices made (trial cool-downs count in them)
+        self._trial: dict[int, dict] = {}         # batch -> the regime switch on trial
+        self._cooldown: dict[int, int] = {}       # batch -> no trial before this round
+        self._failures: dict[int, int] = {}       # batch -> trials failed in a row
+        self.trials: list[tuple[int, int, int, bool]] = []  # (batch, from, to, kept), for reports and tests
         self._calibrated: set[int] = set()        # batch sizes past calibration
         self.history: list[tuple[int, int]] = []
 
@@ -289,10 +316,11 @@ class BudgetController:
         e, c = self.expected_tokens(budget), self.costs.cost(batch, budget)
         return None if e is None or c is None else e / c
 
-    def best(self, batch: int) -> int | None:
+    def best(self, batch: int, regime: int | None = None) -> int | None:
         """The budget of highest known rate, keeping the current one unless beaten by ``margin``
-        (``regime_margin`` between plain decoding and a tree)."""
-        known = self._rates(batch, self.grid)
+        (``regime_margin`` between plain decoding and a tree); with ``regime`` only the budgets
+        of that one's regime (plain decoding, or the trees)."""
+        known = self._rates(batch, self.grid if regime is None else [b for b in self.grid if (b == 0) == (regime == 0)])
         if not known:
             return None
         top = max(known, key=lambda b: (known[b], -b))
@@ -308,7 +336,7 @@ class BudgetController:
 
         Calibration first: the largest tree (it observes every smaller budget's gain), plain
         decoding, the middle of the grid (a second point of the cost fit), each until timed.
-        Then the best known rate (:meth:`best`), or a probe (:meth:`_next_probe`: up, across,
+        Then the best known rate (:meth:`best`, re-read every ``min_gap`` rounds), or a probe (:meth:`_next_probe`: up, across,
         down in turn) when the exploration allowance covers what it is expected to lose
         (``explore_share``). Costs drift with the machine's load: a cost timed in a slow minute
         would otherwise never be re-read."""
@@ -325,11 +353,34 @@ class BudgetController:
                 mid = positive[len(positive) // 2]
                 return self._log(batch, mid if not self.costs.measured(batch, mid) else positive[0])
             self._calibrated.add(batch)  # costs and gains, once known, stay known
-        best = self.best(batch)
-        self._current[batch] = best
+        self.rounds += 1
+        trial = self._trial.get(batch)
+        if trial is not None:
+            if trial["n"] < self.trial_rounds:
+                return self._log(batch, trial["to"])
+            self._end_trial(batch)
         self._since += 1
-        self.allowance += self.explore_share * self.costs.cost(batch, best)
-        if self._since < self.min_gap:
+        age = self._age.get(batch)
+        if age is None or age >= self.min_gap:
+            # re-read every min_gap rounds: gains and costs move slowly, and reading every
+            # budget's rate costs ~1 % of a small model's plain round
+            cur, top = self._current.get(batch), self.best(batch)
+            if cur is not None and top is not None and (cur == 0) != (top == 0):
+                if self.rounds < self._cooldown.get(batch, 0):  # a trial failed lately: stay
+                    top = self.best(batch, regime=cur)
+                elif self._before(batch, cur) is not None:
+                    # the other regime's costs come from rare probes, each in its own minute:
+                    # try it for a few rounds, then compare both in the same minute
+                    self._trial[batch] = {"from": cur, "to": top, "n": 0, "seconds": [], "tokens": []}
+                    self._age[batch] = 0
+                    return self._log(batch, top)
+            self._current[batch] = top
+            self._cost_now[batch] = self.costs.cost(batch, top)
+            age = 0
+        self._age[batch] = age + 1
+        best = self._current[batch]
+        self.allowance += self.explore_share * self._cost_now[batch]
+        if self._since < self.min_gap or age:
             return self._log(batch, best)
         probe = self._next_probe(batch, best)
         probe_rate = None if probe is None else self.rate(batch, probe)
@@ -367,6 +418,33 @@ class BudgetController:
         k = self._explorations % 3
         return next((p for p in kinds[k:] + kinds[:k] if p is not None and p != best), None)
 
+    def _before(self, batch: int, budget: int) -> float | None:
+        """The median raw seconds of the last rounds of (batch, budget) (the regime in use, just
+        before a trial), None while fewer than 4 (or the table is frozen: no trial then)."""
+        raw = self.costs.raw(batch, budget)
+        return statistics.median(raw[-8:]) if len(raw) >= 4 and not self.costs.frozen else None
+
+    def _end_trial(self, batch: int) -> None:
+        """Keep the trial's budget when its tokens per second over the trial rounds (the
+        first left out: it pays for the switch) beat the regime before it over its last rounds,
+        both raw times of the same minute; else go back and wait before the next trial (32
+        rounds, doubling with each failure in a row up to 1024)."""
+        t = self._trial.pop(batch)
+        before = self._before(batch, t["from"])
+        won = True
+        if t["seconds"] and before is not None and self.expected_tokens(t["from"]) is not None:
+            rate_to = statistics.fmean(t["tokens"]) / statistics.median(t["seconds"])
+            won = rate_to > self.expected_tokens(t["from"]) / before
+        self.trials.append((batch, t["from"], t["to"], won))
+        del self.trials[:-1000]
+        self._failures[batch] = 0 if won else self._failures.get(batch, 0) + 1
+        if not won:
+            self._cooldown[batch] = self.rounds + min(1024, 32 << (self._failures[batch] - 1))
+        keep = t["to"] if won else t["from"]
+        self._current[batch] = keep
+        self._cost_now[batch] = self.costs.cost(batch, keep)
+        self._age[batch] = 0
+
     def best_tree(self, batch: int) -> int:
         """The tree budget (> 0) of highest known rate (the largest budget while none is known)."""
         known = self._rates(batch, [b for b in self.grid if b > 0])
@@ -391,8 +469,14 @@ class BudgetController:
             seconds: the round's wall time.
         """
         self.costs.record(batch, budget, seconds)
-        if reach_cum:
-            rows = [list(r) for r in reach_cum]
+        rows = [list(r) for r in reach_cum] if reach_cum else None
+        trial = self._trial.get(batch)
+        if trial is not None and budget == trial["to"]:
+            trial["n"] += 1
+            if trial["n"] > 1:
+                trial["seconds"].append(seconds)
+                trial["tokens"].append(1.0 + (statistics.fmean(r[-1] for r in rows) if rows else 0.0))
+        if rows:
             prev = 0.0
             for j, b in enumerate(self.grid_upto(budget)):
                 mean = sum(r[j] for r in rows) / len(rows)
