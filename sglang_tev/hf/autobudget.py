@@ -114,6 +114,7 @@ class CostTable:
     _raw: dict = field(default_factory=dict, repr=False)
     _pairs: list = field(default_factory=list, repr=False)
     _memo: dict = field(default_factory=dict, repr=False)  # cost() answers since the last change
+    _load: float | None = field(default=None, repr=False)
 
     def current_load(self) -> float:
         """The load of the current minute relative to the budget in use's usual one (see above)."""
@@ -134,7 +135,9 @@ class CostTable:
         recent = self._recent.setdefault((batch, budget), [])
         if cnt[budget] == 2 and len(recent) == 1:
             recent.clear()  # the pair's first round allocated its shapes
-        norm = seconds / self.current_load()  # this minute's load, from the rounds before this one
+        if self.stamp % 4 == 0 or self._load is None:  # the load moves by the minute: read it every 4th round
+            self._load = self.current_load()
+        norm = seconds / self._load  # this minute's load, from the rounds before this one
         raw = self._raw.setdefault((batch, budget), [])
         raw.append(seconds)
         del raw[:-64]
@@ -269,7 +272,7 @@ class BudgetController:
         trials: ``(batch, from, to, kept)`` of the last 1,000 regime trials.
     """
 
-    def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.01, min_gap: int = 3,
+    def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.01, min_gap: int = 6,
                  alpha: float = 0.05, margin: float = 0.03, regime_margin: float = 0.10, trial_rounds: int = 5) -> None:
         g = sorted(set(int(x) for x in grid))
         if not g or g[0] < 0 or g[-1] < 1:
