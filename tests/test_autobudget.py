@@ -153,7 +153,7 @@ def _feed(ctl, budget, gains, batch=1, seconds=None):
 def test_controller_calibrates_then_maximises_tokens_per_second():
     grid = (0, 4, 16, 64)
     costs = CostTable()
-    ctl = BudgetController(grid, costs)
+    ctl = BudgetController(grid, costs, explore_share=0.01)
     gains = {4: 1.0, 16: 1.8, 64: 2.2}
     seconds = {0: 0.010, 4: 0.014, 16: 0.018, 64: 0.040}
     # calibration: the largest tree, plain decoding, the middle of the grid

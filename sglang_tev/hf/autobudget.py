@@ -272,7 +272,7 @@ class BudgetController:
         trials: ``(batch, from, to, kept)`` of the last 1,000 regime trials.
     """
 
-    def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.01, min_gap: int = 6,
+    def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.005, min_gap: int = 6,
                  alpha: float = 0.05, margin: float = 0.03, regime_margin: float = 0.10, trial_rounds: int = 5) -> None:
         g = sorted(set(int(x) for x in grid))
         if not g or g[0] < 0 or g[-1] < 1:
