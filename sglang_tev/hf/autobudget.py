@@ -27,8 +27,8 @@ than the best tree) and cost probes (the other regime: plain decoding while tree
 while plain decoding wins) in turn; a probe nearly as good as the choice is nearly free and runs
 often, one far worse runs rarely. A switch between plain decoding and the trees is a trial: the
 other regime's costs come from single probe rounds, each timed in its own minute, so the switch
-runs a few rounds first and is kept only if their tokens per second beat the regime before it,
-both timed in the same minute; a failed trial waits 32 rounds, doubling with each failure in a
+runs a few rounds first and is kept only if their tokens per second beat the regime before it
+by the regime margin, both timed in the same minute; a failed trial waits 32 rounds, doubling with each failure in a
 row, before the next (:class:`BudgetController`).
 
 Exactness: the choice reads only rounds that are already verified (their probabilities and their
@@ -429,15 +429,16 @@ class BudgetController:
 
     def _end_trial(self, batch: int) -> None:
         """Keep the trial's budget when its tokens per second over the trial rounds (the
-        first left out: it pays for the switch) beat the regime before it over its last rounds,
-        both raw times of the same minute; else go back and wait before the next trial (32
+        first left out: it pays for the switch) beat the regime before it over its last rounds
+        by ``regime_margin``, both raw times of the same minute; else go back and wait before the next trial (32
         rounds, doubling with each failure in a row up to 1024)."""
         t = self._trial.pop(batch)
         before = self._before(batch, t["from"])
         won = True
         if t["seconds"] and before is not None and self.expected_tokens(t["from"]) is not None:
             rate_to = statistics.fmean(t["tokens"]) / statistics.median(t["seconds"])
-            won = rate_to > self.expected_tokens(t["from"]) / before
+            # by the regime margin, as the table had to: a few rounds of a noisy minute decide it
+            won = rate_to > self.expected_tokens(t["from"]) / before * (1 + self.regime_margin)
         self.trials.append((batch, t["from"], t["to"], won))
         del self.trials[:-1000]
         self._failures[batch] = 0 if won else self._failures.get(batch, 0) + 1
