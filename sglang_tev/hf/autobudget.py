@@ -297,6 +297,8 @@ class BudgetController:
         self.trial_rounds = int(trial_rounds)
         self.rounds = 0                           # choices made (trial cool-downs count in them)
         self._trial: dict[int, dict] = {}         # batch -> the regime switch on trial
+        self._repeat: dict[int, int] = {}         # batch -> an across probe's second round, next
+        self._last: dict[int, int] = {}           # batch -> the budget of its last round
         self._cooldown: dict[int, int] = {}       # batch -> no trial before this round
         self._failures: dict[int, int] = {}       # batch -> trials failed in a row
         self.trials: list[tuple[int, int, int, bool]] = []  # (batch, from, to, kept), for reports and tests
@@ -357,6 +359,9 @@ class BudgetController:
                 return self._log(batch, mid if not self.costs.measured(batch, mid) else positive[0])
             self._calibrated.add(batch)  # costs and gains, once known, stay known
         self.rounds += 1
+        again = self._repeat.pop(batch, None)
+        if again is not None:  # an across probe's second round: the one its cost is read from
+            return self._log(batch, again)
         trial = self._trial.get(batch)
         if trial is not None:
             if trial["n"] < self.trial_rounds:
@@ -390,11 +395,15 @@ class BudgetController:
         if probe_rate is None:  # nothing to probe, or (a frozen table) no cost for it
             return self._log(batch, best)
         loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - probe_rate / self.rate(batch, best))
+        if (probe == 0) != (best == 0):
+            loss *= 2  # an across probe runs two rounds (see observe)
         if loss > self.allowance:
             return self._log(batch, best)
         self.allowance -= loss
         self._since = 0
         self._explorations += 1
+        if (probe == 0) != (best == 0):
+            self._repeat[batch] = probe  # its first round pays the switch (see observe)
         return self._log(batch, probe)
 
     def _next_probe(self, batch: int, best: int) -> int | None:
@@ -472,7 +481,14 @@ class BudgetController:
                 ``0 < B' <= budget`` in increasing order (:meth:`grid_upto`); None for a plain round.
             seconds: the round's wall time.
         """
-        self.costs.record(batch, budget, seconds)
+        last = self._last.get(batch)
+        self._last[batch] = budget
+        # the first round after a switch between plain decoding and the trees also pays for the
+        # switch (the kept drafter context written, the mask buffers moved): up to a fifth of a
+        # batch-8 plain round here, which would bias every single-round probe against the other
+        # regime; it is not timed into the table (across probes run two rounds for this)
+        if last is None or (last == 0) == (budget == 0):
+            self.costs.record(batch, budget, seconds)
         rows = [list(r) for r in reach_cum] if reach_cum else None
         trial = self._trial.get(batch)
         if trial is not None and budget == trial["to"]:
