@@ -524,6 +524,16 @@ def test_a_frozen_table_is_chosen_within_and_one_without_trees_is_refused(tmp_pa
     ctl = BudgetController(DEFAULT_GRID, frozen)
     picks = _run(ctl, 40, {b: 0.3 for b in DEFAULT_GRID}, {b: 0.02 for b in DEFAULT_GRID})
     assert set(picks) <= {0, 4} and picks.count(0) > 30  # 1.3 tokens per 30 ms loses to 1 per 10 ms
+    # where its tree wins, that tree: not budget 2, whose cost the fit would hold at 4's (a tie
+    # the smaller budget would win) although the table never timed it
+    fast = BudgetController(DEFAULT_GRID, CostTable.from_json({"seconds": {"1": {"0": 0.030, "4": 0.010}}}))
+    picks = _run(fast, 40, {b: 0.3 for b in DEFAULT_GRID}, {b: 0.02 for b in DEFAULT_GRID})
+    assert set(picks) <= {0, 4} and picks.count(4) > 30
+    for bad, match in (({"seconds": {"1": {"16": True}}}, "not a number"), ({"seconds": {"1": {"5000": 0.1}}}, "budgets in 0..1024"),
+                       ({}, "expected a JSON object"), ({"cost_table": None}, "expected a JSON object"),
+                       ({"seconds": {"0": {"4": 0.1}}}, "batch sizes must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            CostTable.from_json(bad.get("cost_table", bad) if "cost_table" in bad else bad)
     for bad in ({"seconds": {}}, {"seconds": {"1": {"0": 0.01}}}):
         with pytest.raises(ValueError, match="cost_table: holds no tree budget"):
             CostTable.from_json(bad)

@@ -51,6 +51,7 @@ from typing import Iterable, Sequence
 __all__ = ["AUTO", "DEFAULT_GRID", "CostTable", "BudgetController"]
 
 AUTO = "auto"
+MAX_TABLE_BUDGET = 1024  # = hf.runtime.MAX_BUDGET (the largest budget the runtime runs)
 DEFAULT_GRID = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 """Budgets ``budget="auto"`` chooses from (0 = a plain decoding round). The largest is the
 default ``max_budget``."""
@@ -213,13 +214,21 @@ class CostTable:
     def from_json(cls, data: dict, frozen: bool = True) -> "CostTable":
         """A table written by :meth:`to_json` (``sglang-tev tune --output``). Raises ``ValueError``
         naming ``cost_table`` for a malformed one."""
+        shape = "a JSON object {\"seconds\": {batch size: {budget: seconds per round}}}"
+        if not isinstance(data, dict) or not isinstance(data.get("seconds"), dict):
+            raise ValueError(f"cost_table: not a cost table (expected {shape})")
         try:
-            sec = {int(b): {int(k): float(v) for k, v in r.items()} for b, r in data["seconds"].items()}
-            cnt = {int(b): {int(k): int(v) for k, v in r.items()} for b, r in data.get("counts", {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"cost_table: not a cost table ({e!r})") from None
+            raw = {int(b): dict(r) for b, r in data["seconds"].items()}
+            cnt = {int(b): {int(k): int(v) for k, v in r.items()} for b, r in (data.get("counts") or {}).items()}
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for r in raw.values() for v in r.values()):
+                raise ValueError("an entry is not a number")
+            sec = {b: {int(k): float(v) for k, v in r.items()} for b, r in raw.items()}
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"cost_table: not a cost table ({e}; expected {shape})") from None
         if any(not (v > 0 and math.isfinite(v)) for r in sec.values() for v in r.values()):
             raise ValueError("cost_table: every entry must be a finite number of seconds > 0")
+        if any(b < 1 for b in sec) or any(not 0 <= k <= MAX_TABLE_BUDGET for r in sec.values() for k in r):
+            raise ValueError(f"cost_table: batch sizes must be >= 1 and budgets in 0..{MAX_TABLE_BUDGET}")
         if not any(any(b > 0 for b in r) for r in sec.values()):
             raise ValueError("cost_table: holds no tree budget (> 0) at any batch size; nothing to choose from")
         return cls(sec, cnt, frozen=frozen)
@@ -228,6 +237,8 @@ class CostTable:
     def load(cls, path, frozen: bool = True) -> "CostTable":
         """Read a JSON table (a file of :meth:`to_json`, or one holding it under ``cost_table``).
         Raises ``ValueError`` naming ``cost_table`` for a missing or malformed file."""
+        if not str(path).strip():
+            raise ValueError("cost_table: the path is empty")
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"cost_table: no file at {p}")
@@ -317,7 +328,11 @@ class BudgetController:
         return None if g is None else 1.0 + g
 
     def rate(self, batch: int, budget: int) -> float | None:
-        """Expected tokens per second per row at (batch, budget), None while unknown."""
+        """Expected tokens per second per row at (batch, budget), None while unknown (and, with
+        a frozen table, for a budget the table does not hold at any batch size: its cost would
+        only be the fit's guess, never timed)."""
+        if self.costs.frozen and not any(budget in row for row in self.costs.seconds.values()):
+            return None
         e, c = self.expected_tokens(budget), self.costs.cost(batch, budget)
         return None if e is None or c is None else e / c
 
