@@ -236,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="top-k; <= 0 off (default 0)")
     g.add_argument("--min-p", type=float, default=0.0, help="min-p in [0, 1] (default 0: off)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="new tokens at most, >= 1 (default 256)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the verifier's randomness (default 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the verifier's randomness (default 0); a sampled run repeats exactly with a fixed "
+                        "--budget or a --cost-table (--budget auto's choices follow measured round times)")
     g.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable); output ends with it")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     g.add_argument("--block-size", type=int, help="draft block size K (default: the drafter's)")
