@@ -28,8 +28,8 @@ while plain decoding wins) in turn; a probe nearly as good as the choice is near
 often, one far worse runs rarely. A switch between plain decoding and the trees is a trial: the
 other regime's costs come from single probe rounds, each timed in its own minute, so the switch
 runs a few rounds first and is kept only if their tokens per second beat the regime before it
-by the regime margin, both timed in the same minute; a failed trial waits 32 rounds, doubling with each failure in a
-row, before the next (:class:`BudgetController`).
+by the regime margin, both timed in the same minute; a failed trial waits 32 rounds, doubling
+with each failure in a row, before the next (:class:`BudgetController`).
 
 Exactness: the choice reads only rounds that are already verified (their probabilities and their
 clocks), never the current round's draws, so every round's tree is fixed before its verifier
@@ -48,10 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-__all__ = ["AUTO", "DEFAULT_GRID", "CostTable", "BudgetController"]
+__all__ = ["AUTO", "DEFAULT_GRID", "MAX_BUDGET", "CostTable", "BudgetController"]
 
 AUTO = "auto"
-MAX_TABLE_BUDGET = 1024  # = hf.runtime.MAX_BUDGET (the largest budget the runtime runs)
+MAX_BUDGET = 1024
+"""Largest DDTree budget the runtime accepts (the largest the DDTree reference benchmarks): the
+builder's memory grows as budget x min(budget, V). Also the largest a cost table may hold."""
 DEFAULT_GRID = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 """Budgets ``budget="auto"`` chooses from (0 = a plain decoding round). The largest is the
 default ``max_budget``."""
@@ -227,8 +229,8 @@ class CostTable:
             raise ValueError(f"cost_table: not a cost table ({e}; expected {shape})") from None
         if any(not (v > 0 and math.isfinite(v)) for r in sec.values() for v in r.values()):
             raise ValueError("cost_table: every entry must be a finite number of seconds > 0")
-        if any(b < 1 for b in sec) or any(not 0 <= k <= MAX_TABLE_BUDGET for r in sec.values() for k in r):
-            raise ValueError(f"cost_table: batch sizes must be >= 1 and budgets in 0..{MAX_TABLE_BUDGET}")
+        if any(b < 1 for b in sec) or any(not 0 <= k <= MAX_BUDGET for r in sec.values() for k in r):
+            raise ValueError(f"cost_table: batch sizes must be >= 1 and budgets in 0..{MAX_BUDGET}")
         if not any(any(b > 0 for b in r) for r in sec.values()):
             raise ValueError("cost_table: holds no tree budget (> 0) at any batch size; nothing to choose from")
         return cls(sec, cnt, frozen=frozen)
@@ -340,7 +342,8 @@ class BudgetController:
         """The budget of highest known rate, keeping the current one unless beaten by ``margin``
         (``regime_margin`` between plain decoding and a tree); with ``regime`` only the budgets
         of that one's regime (plain decoding, or the trees)."""
-        known = self._rates(batch, self.grid if regime is None else [b for b in self.grid if (b == 0) == (regime == 0)])
+        budgets = self.grid if regime is None else [b for b in self.grid if (b == 0) == (regime == 0)]
+        known = self._rates(batch, budgets)
         if not known:
             return None
         top = max(known, key=lambda b: (known[b], -b))
@@ -356,10 +359,10 @@ class BudgetController:
 
         Calibration first: the largest tree (it observes every smaller budget's gain), plain
         decoding, the middle of the grid (a second point of the cost fit), each until timed.
-        Then the best known rate (:meth:`best`, re-read every ``min_gap`` rounds), or a probe (:meth:`_next_probe`: up, across,
-        down in turn) when the exploration allowance covers what it is expected to lose
-        (``explore_share``). Costs drift with the machine's load: a cost timed in a slow minute
-        would otherwise never be re-read."""
+        Then the best known rate (:meth:`best`, re-read every ``min_gap`` rounds), or a probe
+        (:meth:`_next_probe`: up, across, down in turn) when the exploration allowance covers
+        what it is expected to lose (``explore_share``). Costs drift with the machine's load: a
+        cost timed in a slow minute would otherwise never be re-read."""
         if batch not in self._calibrated:
             # a frozen table never times a round: calibrate over the budgets it holds
             costed = [b for b in self.grid if b > 0 and self.costs.cost(batch, b) is not None]
@@ -409,15 +412,15 @@ class BudgetController:
         probe_rate = None if probe is None else self.rate(batch, probe)
         if probe_rate is None:  # nothing to probe, or (a frozen table) no cost for it
             return self._log(batch, best)
+        across = (probe == 0) != (best == 0)  # an across probe runs two rounds (see observe)
         loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - probe_rate / self.rate(batch, best))
-        if (probe == 0) != (best == 0):
-            loss *= 2  # an across probe runs two rounds (see observe)
+        loss *= 2 if across else 1
         if loss > self.allowance:
             return self._log(batch, best)
         self.allowance -= loss
         self._since = 0
         self._explorations += 1
-        if (probe == 0) != (best == 0):
+        if across:
             self._repeat[batch] = probe  # its first round pays the switch (see observe)
         return self._log(batch, probe)
 
@@ -454,8 +457,8 @@ class BudgetController:
     def _end_trial(self, batch: int) -> None:
         """Keep the trial's budget when its tokens per second over the trial rounds (the
         first left out: it pays for the switch) beat the regime before it over its last rounds
-        by ``regime_margin``, both raw times of the same minute; else go back and wait before the next trial (32
-        rounds, doubling with each failure in a row up to 1024)."""
+        by ``regime_margin``, both raw times of the same minute; else go back and wait before the
+        next trial (32 rounds, doubling with each failure in a row up to 1024)."""
         t = self._trial.pop(batch)
         before = self._before(batch, t["from"])
         won = True

@@ -204,8 +204,8 @@ def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> to
     neighbours' depth caps (nor on the batch), and the draft forward has one shape. The tree's
     depth is capped per row by the builder instead."""
     flush_context(state)
-    if max(depth_cap) <= 0 or (state.budget == 0 and state.method != "chain"):
-        return None  # nothing to draft (a budget-0 round is a plain decoding step)
+    if max(depth_cap) <= 0:
+        return None  # nothing to draft (run_round gives a plain decoding step zero caps)
     fn = state.drafter.draft_lattice_rows if state.draft_mode == "lattice" else state.drafter.draft_rows
     return fn(sl, roots, lens, state.tokens[sl], state.block_size - 1, max(r.past_len for r in state.rows))
 

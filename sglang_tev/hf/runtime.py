@@ -35,7 +35,7 @@ from .assets import shipped_pair_default
 from .controls import Controls
 from .records import STAGES, GenerationResult, Request, RoundStats, Row
 from .round import NonFiniteLogitsError
-from .autobudget import AUTO, DEFAULT_GRID, BudgetController, CostTable
+from .autobudget import AUTO, DEFAULT_GRID, MAX_BUDGET, BudgetController, CostTable
 from .scheduler import DecodeBuffers, Scheduler
 from .static_cache import StaticKVCache, cache_kwargs  # noqa: F401 - cache_kwargs: tests and benchmarks import it from here
 from .stops import stop_token_set
@@ -61,9 +61,6 @@ greedy walk at T = 0, its sampled walk at the row's temperature otherwise; a dep
 tree verified like any other). ``auto``: ``lattice`` for a drafter with a selector, else
 ``marginal``."""
 
-MAX_BUDGET = 1024
-"""Largest DDTree budget the runtime accepts (the largest the DDTree reference benchmarks): the
-builder's memory grows as budget x min(budget, V)."""
 
 
 def _quiet_cache_rename(fn):
