@@ -115,6 +115,13 @@ def test_cost_fit_is_monotone_in_the_budget():
     assert list(c.values()) == sorted(c.values())
     t.set(1, 0, 0.007)
     assert t.cost(1, 0) == pytest.approx(0.007) and t.cost(1, 8) == pytest.approx(0.019)
+    # with plain decoding timed, below the smallest timed budget the fit's mean slope carries on
+    # (a CPU's every node costs), never below a plain round
+    slope = (0.040 - 0.019) / (64 - 8)
+    assert t.cost(1, 4) == pytest.approx(0.019 - 4 * slope) and t.cost(1, 2) == pytest.approx(0.019 - 6 * slope)
+    t.set(1, 0, 0.0185)
+    assert t.cost(1, 2) == pytest.approx(0.0185) and t.cost(1, 8) == pytest.approx(0.019)
+    t.set(1, 0, 0.007)
     for bad in (0, -1.0, float("nan"), "x"):
         with pytest.raises(ValueError, match="seconds"):
             t.set(1, 8, bad)
@@ -164,6 +171,15 @@ def test_controller_calibrates_then_maximises_tokens_per_second():
         first.append(b)
         _feed(ctl, b, gains, seconds=seconds[b])
     assert first == [64, 0, 0, 16, 16]
+    # budget 4 is untimed: its cost is carried down from 16 by the fit's mean slope (12.5 ms,
+    # 160 tokens/s, above 16's 156), so it runs one stint (min_gap rounds), is timed at 14 ms
+    # (143 tokens/s) and left
+    stint = []
+    for _ in range(7):
+        b = ctl.choose(1)
+        stint.append(b)
+        _feed(ctl, b, gains, seconds=seconds[b])
+    assert stint == [4] * 6 + [16] and ctl.costs.cost(1, 4) == pytest.approx(0.014)
     # rates: plain 100, B4 143, B16 156, B64 80 tokens/s -> 16
     picks = Counter()
     for _ in range(300):
@@ -339,6 +355,38 @@ def test_greedy_under_changing_budgets_is_plain_decoding_batched():
     used = Counter(x.budget for r in res for x in r.rounds)
     assert set(used) == set(CYCLE) and sum(x.accept_len for r in res for x in r.rounds) > 20
     assert {h[0] for h in ctl.history} >= {3, 1}  # the batch shrank
+
+
+def test_auto_drafts_a_block_of_budget_plus_one_and_fixed_budgets_the_whole_block():
+    """Under auto a budget-B round drafts min(K - 1, B) depths (its tree reaches depth B at most);
+    a fixed budget drafts K - 1 whatever B; the shipped drafter's head returns only the depths a
+    tree can reach. Greedy output stays plain decoding's."""
+    tgt = qwen3(11)
+
+    class Recording(OracleDrafter):
+        def draft_rows(self, rows, roots, root_pos, tokens, depth, max_root_pos):
+            seen.append(depth)
+            return super().draft_rows(rows, roots, root_pos, tokens, depth, max_root_pos)
+
+    seen = []
+    gen = SpeculativeGenerator(tgt, Recording(tgt, V, accuracy=0.7, block_size=6))
+    ctl = Scripted([2, 0, 16, 4, 8])
+    gen._budget_controller = lambda requests: ctl
+    res = gen.generate([1, 5, 9, 2], budget="auto", max_new_tokens=60, ignore_eos=True)
+    assert res.token_ids == plain_greedy(tgt, [1, 5, 9, 2], 60)
+    trees = [r.budget for r in res.rounds if r.budget]
+    # (a row's last round has no depth left to draft: no draft call)
+    assert len(seen) >= len(trees) - 1 and seen == [min(5, b) for b in trees][: len(seen)] and {2, 4, 5} <= set(seen)
+    seen.clear()
+    gen.generate([1, 5, 9, 2], budget=2, max_new_tokens=12, ignore_eos=True)
+    assert set(seen) == {5}
+
+    shipped = SpeculativeGenerator.from_pretrained()
+    heads = []
+    head = shipped.drafter._head
+    shipped.drafter._head = lambda h: heads.append(h.shape[1]) or head(h)
+    shipped.generate("def f(x):", budget=4, max_new_tokens=24, ignore_eos=True)
+    assert set(heads[:-3]) == {4}  # the last rounds' depth caps may be smaller
 
 
 def test_greedy_auto_with_the_shipped_pair_equals_plain_and_uses_several_budgets():

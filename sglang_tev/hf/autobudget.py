@@ -82,7 +82,8 @@ class CostTable:
     once a second arrives: the first round of a new shape allocates). The cost of a tree budget
     is read from a monotone fit across budgets: the weighted medians, made non-decreasing in the
     budget (:func:`_monotone`), interpolated linearly between measured budgets, extended above
-    the largest by the last segment's slope and held flat below the smallest. So every tree
+    the largest by the last segment's slope and below the smallest by the fit's mean slope (not
+    below the plain round's cost; held flat while that is untimed). So every tree
     round informs every tree budget (a CPU's round times grow by a fraction of a percent per
     node, less than the noise of one budget's rounds), while a GPU's flat-then-rising cost keeps
     its shape.
@@ -204,8 +205,17 @@ class CostTable:
         xs = [b for b, _ in fit]
         j = max(1, min(len(fit) - 1, next((i for i, x in enumerate(xs) if x >= budget), len(fit) - 1)))
         (x0, y0), (x1, y1) = fit[j - 1], fit[j]
-        if budget < x0:  # below the smallest timed budget: its cost (a smaller tree costs no more;
-            return y0    # how much less is a guess until a down probe times it)
+        if budget < x0:
+            # below the smallest timed budget: the fit's mean slope carried down, not below a plain
+            # round (a tree round adds a draft to it); held flat while plain decoding is untimed.
+            # A guess that errs low is timed as soon as it is chosen; one that erred high (held
+            # flat on a CPU, where every node costs) would keep the smaller trees from ever
+            # being chosen, hence timed
+            plain = row.get(0)
+            if plain is None:
+                return y0
+            slope = (fit[-1][1] - fit[0][1]) / (fit[-1][0] - fit[0][0])
+            return max(plain, y0 - slope * (x0 - budget))
         return y0 + (y1 - y0) * (budget - x0) / (x1 - x0)
 
     def to_json(self) -> dict:

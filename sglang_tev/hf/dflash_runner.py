@@ -37,8 +37,8 @@ __all__ = ["StaticDFlashDrafter"]
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """``dflash._apply_rope`` with the sign of the rotation folded into ``sin_signed`` (= sin with
-    its first half negated): the same products and sum, one op fewer. x: [b, h, T, d]; cos,
-    sin_signed: [b, 1, T, d]."""
+    its first half negated): the same products and sum, one op fewer. x: [..., d] with cos and
+    sin_signed broadcast to it ([b, h, T, d] with [b, 1, T, d]; [b, T, h, d] with [b, T, 1, d])."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin_signed
 
@@ -65,6 +65,71 @@ def _last_writes(positions: torch.Tensor) -> torch.Tensor:
     later = torch.ones(t, t, dtype=torch.bool, device=positions.device).triu(1)
     return ~(same & later).any(2)
 
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The drafter's RMSNorm (``dflash.RMSNorm``) with its weight passed in: normalise the last dim
+    in float32, scale by ``weight`` in ``x``'s dtype; ``weight`` may cover several heads
+    ([heads, d] over x [..., heads, d]: q_norm and k_norm in one call)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _conv_block(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """:func:`~sglang_tev.draft.dflash2.grouped_causal_conv` of ONE block (the draft's), in fewer
+    ops: ``out[t] = Σ_{j <= t} (base[j] + delta[t, j]) · x[t - j]``, one tap at a time.
+
+    Args: x [b, T, H]; base [taps, G, gs] (the static kernel, in x's dtype, channels split into
+    groups); delta [b, T, taps, G]. Returns [b, T, H]."""
+    b, t, h = x.shape
+    taps, g, gs = base.shape
+    xg = x.view(b, t, g, gs)
+    coef = base + delta.to(x.dtype).unsqueeze(-1)  # [b, T, taps, G, gs]
+    out = coef[:, :, 0] * xg
+    for j in range(1, min(taps, t)):  # taps reaching before the block read zero
+        out[:, j:] += coef[:, j:, j] * xg[:, :-j]
+    return out.view(b, t, h)
+
+
+class _LayerWeights:
+    """One drafter layer's weights as the block forward reads them: q/k/v in one matrix, gate/up
+    in one, q_norm and k_norm as one [heads, d] scale (CPU, where the draft forward is op-bound;
+    on other devices the separate matrices, so no weight is held twice), the conv's static
+    kernels split into groups."""
+
+    __slots__ = ("ln_in", "ln_post", "qkv", "qk_norm", "o", "gu", "down", "conv_a", "conv_m", "eps")
+
+    def __init__(self, layer, fuse: bool) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.eps = layer.input_layernorm.eps
+        self.ln_in, self.ln_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        w = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        self.qkv = torch.cat(w) if fuse else w
+        self.qk_norm = torch.cat([attn.q_norm.weight.expand(nh, hd), attn.k_norm.weight.expand(nkv, hd)])
+        self.o = attn.o_proj.weight
+        w = (mlp.gate_proj.weight, mlp.up_proj.weight)
+        self.gu = torch.cat(w) if fuse else w
+        self.down = mlp.down_proj.weight
+        self.conv_a = self.conv_m = None
+        if layer.attention_conv is not None:
+            self.conv_a, self.conv_m = (
+                (c.kernel_projection.weight, c.base_kernel.view(2, c.taps, c.groups, c.group_size).to(self.o.dtype),
+                 c.taps, c.groups) for c in (layer.attention_conv, layer.mlp_conv))
+
+
+def _linear_cat(x: torch.Tensor, w) -> torch.Tensor:
+    """``x @ w.T`` for a fused matrix, or the separate matrices' outputs concatenated."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    return torch.cat([F.linear(x, wi) for wi in w], dim=-1)
+
+
+def _conv_prepare(x: torch.Tensor, conv) -> tuple[torch.Tensor, torch.Tensor]:
+    """``GroupedCausalConv.prepare`` on one block: (x convolved with side 0, side-1 coefficients)."""
+    proj, base, taps, groups = conv
+    delta = F.linear(x, proj).view(*x.shape[:-1], 2, taps, groups)
+    return _conv_block(x, base[0], delta[:, :, 0]), delta[:, :, 1]
+
+
 class StaticDFlashDrafter:
     """:class:`~sglang_tev.hf.drafters.BatchDrafter` for a :class:`DFlashDraftModel`.
 
@@ -75,6 +140,7 @@ class StaticDFlashDrafter:
     """
 
     max_rows = None
+    partial_slots = True  # draft_rows / draft_lattice_rows take slots= (the depths wanted)
     reads_tokens = False  # roots and context features only: the runtime need not keep a token buffer
 
     def __init__(self, model: DFlashDraftModel, target) -> None:
@@ -89,6 +155,8 @@ class StaticDFlashDrafter:
         self._pending: tuple[slice, list, list, int] | None = None
         self._tables_key = None
         self._cos = self._sin = self._arange = self._mask_embed = None
+        self._layer_weights: list[_LayerWeights] = []
+        self._weights_key = None
 
     # ------------------------------------------------------------------ per-call tables
     def _tables(self, device, dtype) -> None:
@@ -131,6 +199,16 @@ class StaticDFlashDrafter:
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.model.layers]
         self._tables_key = None  # rebuilt for every call: the embedding may have changed in between
         self._tables(device, dtype)
+        self._weights(torch.device(device))
+
+    def _weights(self, device: torch.device) -> None:
+        """The block forward's :class:`_LayerWeights`, rebuilt when a parameter was replaced or
+        changed in place since the last call (a training step between evaluations)."""
+        key = (device, tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
+        if key != self._weights_key:
+            with torch.no_grad():
+                self._layer_weights = [_LayerWeights(layer, fuse=device.type == "cpu") for layer in self.model.layers]
+            self._weights_key = key
 
     # ------------------------------------------------------------------ context
     def add_context(self, rows: slice, features: torch.Tensor, positions: torch.Tensor) -> None:
@@ -198,37 +276,49 @@ class StaticDFlashDrafter:
 
     @torch.inference_mode()
     def draft_rows(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, tokens: torch.Tensor,
-                   depth: int, max_root_pos: int) -> torch.Tensor:
-        """float32 [b, depth, V]: row j = draft logits of depth j + 1 (see the module docstring);
+                   depth: int, max_root_pos: int, slots: int | None = None) -> torch.Tensor:
+        """float32 [b, slots, V]: row j = draft logits of depth j + 1 (see the module docstring);
         for a DFlash2 drafter with its conv in every layer over the block (the block is the whole
         sequence here) and the logit transform on the full vocabulary (the "marginal" draft mode:
         the selector is not run).
 
+        ``slots`` (default ``depth``, at most ``depth``): the depths whose logits are wanted. The
+        block is always ``depth + 1`` tokens (attention inside it is bidirectional, so every
+        depth's logits depend on the whole block); a tree of budget B reaches depth B at most,
+        so the runtime asks for ``min(B, depth)`` and the head and the last layer's queries skip
+        the rest. The logits of the depths computed do not depend on ``slots``.
+
         A context deferred by :meth:`add_context` for the same ``rows`` is projected here, fused
-        with the block ([context ; block] rows per layer); one for other rows is written first."""
-        return self._head(self._draft_hidden(rows, roots, root_pos, depth, max_root_pos))
+        with the block ([context ; block] rows per layer); one for other rows is written first.
+
+        Raises:
+            ValueError: ``slots`` outside ``1 .. depth``; the block past the buffers.
+        """
+        return self._head(self._draft_hidden(rows, roots, root_pos, depth, max_root_pos, slots))
 
     @torch.inference_mode()
     def draft_lattice_rows(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, tokens: torch.Tensor,
-                           depth: int, max_root_pos: int) -> SelectorLattice:
+                           depth: int, max_root_pos: int, slots: int | None = None) -> SelectorLattice:
         """The DFlash2 selector's candidate lattice of one round ("lattice" and selector-chain modes).
 
-        Same forward as :meth:`draft_rows` (arguments as there), then the candidate selector on
-        the final-normed hidden states and the transformed logits
+        Same forward as :meth:`draft_rows` (arguments as there, ``slots`` included), then the
+        candidate selector on the final-normed hidden states and the transformed logits
         (:meth:`~sglang_tev.draft.dflash2.CandidateSelector.lattice`, the root as slot 0's
         predecessor): the same lattice as
-        :meth:`~sglang_tev.draft.dflash.DFlashDraftModel.draft_lattice` on one row.
+        :meth:`~sglang_tev.draft.dflash.DFlashDraftModel.draft_lattice` on one row (its first
+        ``slots`` slots).
 
         Returns:
             :class:`~sglang_tev.draft.dflash2.SelectorLattice` with ``candidate_ids`` int64
-            [b, depth, k], ``unary_logq`` / ``transition_logq`` float32 ([b, depth, k] /
-            [b, depth, k, k]), k = ``selector_top_k``.
+            [b, slots, k], ``unary_logq`` / ``transition_logq`` float32 ([b, slots, k] /
+            [b, slots, k, k]), k = ``selector_top_k``.
         Raises:
-            ValueError: the drafter has no candidate selector (DFlash v1).
+            ValueError: the drafter has no candidate selector (DFlash v1); ``slots`` as in
+            :meth:`draft_rows`.
         """
         if not self.has_selector:
             raise ValueError("draft_mode: this drafter has no candidate selector (DFlash v1); use the marginal mode")
-        hidden = self._draft_hidden(rows, roots, root_pos, depth, max_root_pos)
+        hidden = self._draft_hidden(rows, roots, root_pos, depth, max_root_pos, slots)
         return self.model.candidate_selector.lattice(hidden, self._head(hidden), roots)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -239,10 +329,19 @@ class StaticDFlashDrafter:
         return self.model.transform_logits(self.lm_head(h).float())  # DFlash2: multiplier + softcap (v1: identity)
 
     def _draft_hidden(self, rows: slice, roots: torch.Tensor, root_pos: torch.Tensor, depth: int,
-                      max_root_pos: int) -> torch.Tensor:
-        """The block forward: final-normed hidden states [b, depth, H] of slots 1 .. depth."""
+                      max_root_pos: int, slots: int | None = None) -> torch.Tensor:
+        """The block forward: final-normed hidden states [b, slots, H] of block slots 1 .. slots.
+
+        The layers' own modules are not called: their weights are read from
+        :class:`_LayerWeights` (q/k/v and gate/up fused on CPU, q_norm and k_norm as one scale),
+        so a layer is a few dozen ops (the forward is op-bound on CPU). The last layer runs its
+        queries, o_proj and MLP over block slots 0 .. slots only (its keys and values cover the
+        whole block; the conv is causal, so the slots kept do not read the ones dropped)."""
         m = self.model
         b, k_blk = roots.shape[0], depth + 1
+        slots = depth if slots is None else slots
+        if not 1 <= slots <= depth:
+            raise ValueError(f"slots: expected 1 .. depth = {depth}, got {slots}")
         dtype = m.fc.weight.dtype
         pending = self._pending
         if pending is not None and pending[0] != rows:
@@ -250,24 +349,26 @@ class StaticDFlashDrafter:
             pending = None
         self._pending = None
         self._tables(roots.device, dtype)
-        slots = self.keys[0].shape[2]
+        self._weights(roots.device)
+        n_slots = self.keys[0].shape[2]
         kv_len = max_root_pos + k_blk
-        if kv_len > slots - 1:
-            raise ValueError(f"max_root_pos + depth + 1 = {kv_len} exceeds the buffers' {slots - 1} readable slots")
+        if kv_len > n_slots - 1:
+            raise ValueError(f"max_root_pos + depth + 1 = {kv_len} exceeds the buffers' {n_slots - 1} readable slots")
         rp = root_pos.view(b, 1)
         pos = rp + self._arange[:k_blk]  # [b, K'] block positions
         if pending is not None:
             features, ctx_pos = _joined(pending[1], pending[2])
-            ctx = m.hidden_norm(m.fc(features.to(dtype)))  # [b, T, H]
+            ctx = _rms(F.linear(features.to(dtype), m.fc.weight), m.hidden_norm.weight, m.hidden_norm.eps)  # [b, T, H]
             t = ctx.shape[1]
             # context slots at or past the root are padding; the block owns them: send them to the
             # never-read last slot so that one scatter writes context and block without duplicates
             keep = (ctx_pos < rp) & _last_writes(ctx_pos)  # (deferred writes to one slot: the last wins)
-            idx = torch.cat([torch.where(keep, ctx_pos, slots - 1), pos], dim=1)  # [b, T + K']
+            idx = torch.cat([torch.where(keep, ctx_pos, n_slots - 1), pos], dim=1)  # [b, T + K']
         else:
             ctx, t, idx = None, 0, pos
-        cos, sin = self._rope(idx)  # [b, 1, T + K', d]; padding rows get the last slot's (unread)
-        cos_q, sin_q = cos[:, :, t:], sin[:, :, t:]
+        # cos / sin [b, T + K', 1, d] in the [b, tokens, heads, d] layout; padding rows get the
+        # last slot's (unread)
+        cos, sin = self._cos[idx][:, :, None], self._sin[idx][:, :, None]
         n = t + k_blk
         # a row sees its context [0, root_pos) and its block [root_pos, root_pos + K')
         mask = None
@@ -276,19 +377,21 @@ class StaticDFlashDrafter:
         one_slice = b == 1 and ctx is None  # block only, contiguous: a slice copy
         sidx = None if one_slice else idx[:, None, :, None]
         h = torch.cat([self.embed(roots.view(b, 1)).to(dtype), self._mask_embed.expand(b, depth, -1)], dim=1)
-        conv = m.layers[0].attention_conv is not None  # DFlash2: conv around attention and MLP, in the block
-        for layer, kb, vb in zip(m.layers, self.keys, self.values):
-            attn = layer.self_attn
+        last = len(self._layer_weights) - 1
+        for li, (lw, kb, vb) in enumerate(zip(self._layer_weights, self.keys, self.values)):
+            attn = m.layers[li].self_attn
             nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            x = layer.input_layernorm(h)
-            if conv:
-                x, delta = layer.attention_conv.prepare(x)
-            q = attn.q_norm(attn.q_proj(x).view(b, k_blk, nh, hd)).transpose(1, 2)
-            q = _rotate(q, cos_q, sin_q)
+            x = _rms(h, lw.ln_in, lw.eps)
+            if lw.conv_a is not None:
+                x, delta = _conv_prepare(x, lw.conv_a)
             kv_in = x if ctx is None else torch.cat([ctx, x], dim=1)  # [b, T + K', H]
-            k = attn.k_norm(attn.k_proj(kv_in).view(b, n, nkv, hd)).transpose(1, 2)
-            k = _rotate(k, cos, sin)
-            v = attn.v_proj(kv_in).view(b, n, nkv, hd).transpose(1, 2)
+            qkv = _linear_cat(kv_in, lw.qkv).view(b, n, nh + 2 * nkv, hd)
+            qk = _rotate(_rms(qkv[:, :, : nh + nkv], lw.qk_norm, lw.eps), cos, sin)  # q_norm, k_norm, RoPE
+            # the last layer's outputs are read at block slots 0 .. slots only
+            q_len = slots + 1 if li == last else k_blk
+            q = qk[:, t: t + q_len, :nh].transpose(1, 2)
+            k = qk[:, :, nh:].transpose(1, 2)
+            v = qkv[:, :, nh + nkv:].transpose(1, 2)
             kr, vr = kb[rows], vb[rows]
             if one_slice:
                 kr[:, :, max_root_pos: kv_len] = k
@@ -298,15 +401,23 @@ class StaticDFlashDrafter:
                 vr.scatter_(2, sidx.expand_as(v), v)
             out = F.scaled_dot_product_attention(q, kr[:, :, :kv_len], vr[:, :, :kv_len], attn_mask=mask,
                                                  scale=hd ** -0.5, enable_gqa=nh != nkv)
-            a = attn.o_proj(out.transpose(1, 2).reshape(b, k_blk, -1))
-            if conv:
-                h = h + layer.attention_conv.finish(a, delta)
-                x, delta = layer.mlp_conv.prepare(layer.post_attention_layernorm(h))
-                h = h + layer.mlp_conv.finish(layer.mlp(x), delta)
+            a = F.linear(out.transpose(1, 2).reshape(b, q_len, -1), lw.o)
+            if q_len < k_blk:
+                h = h[:, :q_len]
+            if lw.conv_a is not None:
+                h = h + _conv_block(a, lw.conv_a[1][1], delta[:, :q_len])
+                x, delta = _conv_prepare(_rms(h, lw.ln_post, lw.eps), lw.conv_m)
+                h = h + _conv_block(self._mlp(x, lw), lw.conv_m[1][1], delta)
             else:
                 h = h + a
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return m.norm(h[:, 1:])  # row-wise: the root slot's output is not needed
+                h = h + self._mlp(_rms(h, lw.ln_post, lw.eps), lw)
+        return _rms(h[:, 1: slots + 1], m.norm.weight, m.norm.eps)  # row-wise: the root slot's output is not needed
+
+    @staticmethod
+    def _mlp(x: torch.Tensor, lw: _LayerWeights) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))`` with gate and up in one matrix."""
+        g, u = _linear_cat(x, lw.gu).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, lw.down)
 
     # ------------------------------------------------------------------ buffers
     def move_row(self, src: int, dst: int, length: int) -> None:

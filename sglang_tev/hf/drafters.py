@@ -39,6 +39,9 @@ class BatchDrafter(Protocol):
             ``transition_logq`` float [b, depth, k, k]); the runtime's ``draft_mode="lattice"``
             calls it instead of ``draft_rows``
             (:class:`~sglang_tev.hf.dflash_runner.StaticDFlashDrafter` for DFlash2 checkpoints).
+        partial_slots: optional, default False; True when ``draft_rows`` / ``draft_lattice_rows``
+            also take ``slots=S`` (1 <= S <= depth) and then return the first S depths only (the
+            block stays depth + 1 tokens); the runtime passes ``min(B, deepest depth cap)``.
     """
 
     block_size: int

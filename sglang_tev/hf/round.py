@@ -199,15 +199,33 @@ def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> to
     ``candidate_ids`` [b, K - 1, k], ``transition_logq`` [b, K - 1, k, k]), or None when no row
     may draft.
 
-    Always the full block: attention inside a DFlash block is bidirectional, so a shorter block
-    would change every depth's logits; with the full block a row's drafts do not depend on its
-    neighbours' depth caps (nor on the batch), and the draft forward has one shape. The tree's
-    depth is capped per row by the builder instead."""
+    The block is K tokens whatever the rows' depth caps: attention inside a DFlash block is
+    bidirectional, so a shorter block would change every depth's logits; so a row's drafts do not
+    depend on its neighbours' caps (nor on the batch), and the draft forward has one shape; the
+    builder caps each row's tree instead. A drafter with ``partial_slots`` returns only the
+    depths this round's trees can reach (``min(B, deepest cap)``; their logits do not change).
+    Under ``budget="auto"`` a budget-B round drafts a block of ``min(K, B + 1)`` tokens (a tree of
+    B nodes reaches depth B at most): chosen with B from past rounds only, so the output law is
+    untouched; the drafts of the depths kept may move a little (tau unchanged on the shipped
+    pair), and the controller's gains are those of the blocks it runs.
+    """
     flush_context(state)
-    if max(depth_cap) <= 0:
+    deepest = max(depth_cap)
+    if deepest <= 0:
         return None  # nothing to draft (run_round gives a plain decoding step zero caps)
     fn = state.drafter.draft_lattice_rows if state.draft_mode == "lattice" else state.drafter.draft_rows
-    return fn(sl, roots, lens, state.tokens[sl], state.block_size - 1, max(r.past_len for r in state.rows))
+    depth = state.block_size - 1
+    kw = {}
+    if state.method != "chain":
+        if state.budget_ctl is not None:
+            # budget auto: a tree of B nodes reaches depth B at most, so the block is B + 1 tokens
+            # (the depths past it would only be attended to; same tau on the shipped pair, 10-40 %
+            # cheaper drafts on CPU), chosen with the budget, from past rounds only
+            depth = min(depth, state.budget)
+        if getattr(state.drafter, "partial_slots", False):
+            # the drafter's head skips the slots no tree of this round can reach
+            kw["slots"] = min(deepest, state.budget, depth)
+    return fn(sl, roots, lens, state.tokens[sl], depth, max(r.past_len for r in state.rows), **kw)
 
 
 # ---------------------------------------------------------------------- build
