@@ -72,6 +72,7 @@ def main(argv=None) -> int:
             rates = {b: [] for b in budgets}
             chosen = {b: Counter() for b in budgets}
             taus = {b: [] for b in budgets}
+            plain_share = []  # per timed auto run: the share of its rounds that were plain decoding
             order = random.Random(args.seed)
             for i in range(args.runs):
                 sweep = list(budgets)
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
                     taus[b].append(sum(r.emitted for r in rounds) / max(1, len(rounds)))
                     if b == "auto":
                         chosen[b].update(r.budget for r in rounds)
+                        plain_share.append(sum(r.budget == 0 for r in rounds) / max(1, len(rounds)))
             fixed = [b for b in budgets if b != "auto"]
             best_fixed = max(fixed, key=lambda b: statistics.median(rates[b]))
             for b in budgets:
@@ -98,11 +100,13 @@ def main(argv=None) -> int:
                              "tau": statistics.median(taus[b]),
                              "budgets_chosen": dict(sorted(chosen[b].items())) if b == "auto" else None,
                              "best_fixed": best_fixed if b == "auto" else None,
+                             "plain_share_per_run": [round(x, 3) for x in plain_share] if b == "auto" else None,
                              "vs_best_fixed": statistics.median(x / y for x, y in zip(rates[b], rates[best_fixed]))
                              if b == "auto" else None})
                 print(f"batch {bs} T={t:g} {str(b):>6}: {med:7.1f} tok/s  x{paired:.2f} plain (IQR {q[0]:.2f}-{q[2]:.2f})  tau "
                       f"{statistics.median(taus[b]):.2f}" + (f"  x{rows[-1]['vs_best_fixed']:.2f} best fixed ({best_fixed})  chose "
-                                                         f"{dict(chosen[b].most_common(6))}" if b == "auto" else ""),
+                                                         f"{dict(chosen[b].most_common(6))}; plain rounds per run {[round(x, 2) for x in plain_share]}"
+                                                         if b == "auto" else ""),
                       flush=True)
     import transformers
     meta = {"command": " ".join([sys.executable, *sys.argv]), "machine": platform.processor() or platform.machine(),
