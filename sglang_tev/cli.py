@@ -20,6 +20,7 @@ import errno
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -109,25 +110,42 @@ class _Parser(argparse.ArgumentParser):
 
 # ---------------------------------------------------------------------------------------------- parser
 
+def _entries(s: str) -> list[str]:
+    """The entries of a comma-separated list (surrounding spaces dropped); an empty entry
+    (``4,,8``, a trailing comma) is refused rather than skipped."""
+    parts = [x.strip() for x in s.split(",")]
+    if any(not x for x in parts):
+        raise argparse.ArgumentTypeError(f"an empty entry in {s!r}")
+    return parts
+
+
+def _int(x: str) -> int:
+    """A plain decimal integer (``-3`` allowed, so its range check can name it; ``+5``, ``1e3``
+    and ``0x10`` are not)."""
+    if not re.fullmatch(r"-?\d+", x):
+        raise ValueError(x)
+    return int(x)
+
+
 def _int_list(s: str) -> list[int]:
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        return [_int(x) for x in _entries(s)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
 def _budget(s: str):
-    """``auto`` or an int (the DDTree budget)."""
-    if s.strip().lower() == "auto":
+    """``auto`` (as the Python API spells it) or an integer (the DDTree budget)."""
+    if s.strip() == "auto":
         return "auto"
     try:
-        return int(s)
+        return _int(s.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {s!r}") from None
 
 
 def _budget_list(s: str) -> list:
-    return [_budget(x) for x in s.split(",") if x.strip()]
+    return [_budget(x) for x in _entries(s)]
 
 
 def _chosen_budgets(rounds) -> str:
@@ -215,10 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("more_prompts", metavar="MORE", nargs="*",
                    help="more prompts: decoded as one batch; stdout then carries one JSON line per prompt, in input order")
     _add_model_args(g)
-    g.add_argument("--budget", type=_budget, default="auto",
+    g.add_argument("--budget", type=_budget, default=None,
                    help="DDTree budget B (non-root nodes), or 'auto' (default): each round's budget chosen to "
                         "maximise expected tokens/s from the exit law of past rounds and measured round costs; "
-                        "0 rounds are plain decoding steps")
+                        "0 rounds are plain decoding steps (tree methods only)")
     g.add_argument("--cost-table", metavar="FILE",
                    help="with --budget auto: seconds per round by batch size and budget from 'sglang-tev tune "
                         "--output FILE', read instead of timing rounds (the choices, and seeded runs, then repeat)")
@@ -493,6 +511,13 @@ def _check_generate_args(args) -> None:
         raise UsageError("PROMPT", "the prompt is empty")
     if "-" in args.more_prompts or (args.prompt == "-" and args.more_prompts):
         raise UsageError("PROMPT", "'-' (stdin) must be the only PROMPT")
+    method = args.method or args.verifier
+    if method not in VERIFIERS:  # autoregressive / chain: no tree, so no budget to set or choose
+        for flag, given in (("--budget", args.budget is not None), ("--cost-table", args.cost_table is not None)):
+            if given:
+                raise UsageError(flag, f"applies to the tree methods ({', '.join(VERIFIERS)}), not --method {method}")
+    if args.budget is None:
+        args.budget = "auto"
     if args.budget != "auto":
         _at_least("--budget", args.budget, 0)
     if args.cost_table is not None:  # read before any model loads
@@ -523,7 +548,6 @@ def _check_generate_args(args) -> None:
         raise UsageError("--block-size", f"must be >= 2, got {args.block_size}")
     if args.stop is not None and any(s == "" for s in args.stop):
         raise UsageError("--stop", "stop strings must be non-empty")
-    method = args.method or args.verifier
     if args.temperature >= 1e-5:
         greedy_arg = None
         if method == "greedy":
@@ -770,6 +794,10 @@ def cmd_tune(args, argv: list[str]) -> int:
     if len(prompts) < max(args.batch_sizes):
         raise UsageError("--batch-sizes", f"the largest batch size ({max(args.batch_sizes)}) needs that many prompts; "
                                           f"{args.dataset} has {len(prompts)}")
+    if args.repeats < 3:
+        print(f"{PROG} tune: warning: --repeats {args.repeats}: each budget's median is over {args.repeats} timed "
+              "sweep(s), so one slow minute can decide the table; 3 or more is safer on a shared machine",
+              file=sys.stderr)
     gen = _load(args)
     texts = [p.text if hasattr(p, "text") else p for p in prompts[: max(args.batch_sizes)]]
     try:

@@ -470,7 +470,13 @@ def test_cli_budget_auto_and_errors(capsys):
     assert main(["generate", "--max-new-tokens", "24", "--ignore-eos", "def f(x):"]) == 0
     err = capsys.readouterr().err
     assert "budget=auto [" in err  # the summary line names the budgets the rounds ran with
+    # the Python API's spelling only: no AUTO, no +5; no empty list entries; no budget where no tree is built
     for argv, flag in ((["generate", "--budget", "many", "x"], "--budget"), (["generate", "--budget", "-3", "x"], "--budget"),
+                       (["generate", "--budget", "AUTO", "x"], "--budget"), (["generate", "--budget", "+5", "x"], "--budget"),
+                       (["generate", "--method", "autoregressive", "--budget", "16", "x"], "--budget"),
+                       (["generate", "--method", "chain", "--budget", "auto", "x"], "--budget"),
+                       (["bench", "--dataset", "humaneval", "--budgets", "4,,8"], "--budgets"),
+                       (["tune", "--budgets", "0,4,"], "--budgets"),
                        (["bench", "--dataset", "humaneval", "--budgets", "auto,-1"], "--budgets")):
         assert main(argv) == 2
         assert flag in capsys.readouterr().err
@@ -548,6 +554,7 @@ def test_cli_tune_writes_a_cost_table_that_generate_reads(tmp_path, capsys):
     assert main(argv) == 0
     cap = capsys.readouterr()
     assert "batch 1, T=0:" in cap.out and "batch 2, T=0:" in cap.out
+    assert "warning: --repeats 1" in cap.err  # one timed sweep: a slow minute decides
     data = json.loads(out.read_text())
     assert data["meta"]["command"].startswith("sglang-tev tune") and len(data["best"]) == 2
     assert set(data["cost_table"]["seconds"]) == {"1", "2"}
@@ -559,6 +566,7 @@ def test_cli_tune_writes_a_cost_table_that_generate_reads(tmp_path, capsys):
     for argv, flag in ((["generate", "--cost-table", str(bad), "x"], "--cost-table"),
                        (["generate", "--cost-table", str(tmp_path / "none.json"), "x"], "--cost-table"),
                        (["generate", "--cost-table", str(out), "--budget", "16", "x"], "--cost-table"),
+                       (["generate", "--cost-table", str(out), "--method", "chain", "x"], "--cost-table"),
                        (["tune", "--budgets", "0"], "--budgets"), (["tune", "--verifiers", "greedy"], "--verifiers"),
                        (["tune", "--batch-sizes", "0"], "--batch-sizes"), (["tune", "--output", str(tmp_path)], "--output")):
         assert main(argv) == 2
