@@ -113,6 +113,8 @@ class _Parser(argparse.ArgumentParser):
 def _entries(s: str) -> list[str]:
     """The entries of a comma-separated list (surrounding spaces dropped); an empty entry
     (``4,,8``, a trailing comma) is refused rather than skipped."""
+    if not s.strip():
+        raise argparse.ArgumentTypeError("got nothing: give at least one entry")
     parts = [x.strip() for x in s.split(",")]
     if any(not x for x in parts):
         raise argparse.ArgumentTypeError(f"an empty entry in {s!r}")
@@ -122,7 +124,7 @@ def _entries(s: str) -> list[str]:
 def _int(x: str) -> int:
     """A plain decimal integer (``-3`` allowed, so its range check can name it; ``+5``, ``1e3``
     and ``0x10`` are not)."""
-    if not re.fullmatch(r"-?\d+", x):
+    if not re.fullmatch(r"-?[0-9]+", x):
         raise ValueError(x)
     return int(x)
 
@@ -157,14 +159,15 @@ def _chosen_budgets(rounds) -> str:
 
 
 def _float_list(s: str) -> list[float]:
+    parts = _entries(s)
     try:
-        return [float(x) for x in s.split(",") if x.strip()]
+        return [float(x) for x in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
 
 
 def _str_list(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
+    return _entries(s)
 
 
 GENERATE_EXAMPLES = """\
@@ -544,6 +547,8 @@ def _check_generate_args(args) -> None:
         raise UsageError("--top-p", f"must be in (0, 1], got {args.top_p}")
     if not (0 <= args.min_p <= 1):
         raise UsageError("--min-p", f"must be in [0, 1], got {args.min_p}")
+    if args.block_size is not None and method == "autoregressive":
+        raise UsageError("--block-size", "applies to the drafting methods, not --method autoregressive")
     if args.block_size is not None and args.block_size < 2:
         raise UsageError("--block-size", f"must be >= 2, got {args.block_size}")
     if args.stop is not None and any(s == "" for s in args.stop):
@@ -879,7 +884,10 @@ def _draft_with_modes(value: str) -> tuple[str, list[str] | None]:
     path, sep, spec = value.rpartition("@")
     if not sep or not path or os.path.isdir(value):
         return value, None
-    modes = _str_list(spec)
+    try:
+        modes = _str_list(spec)
+    except argparse.ArgumentTypeError:  # an empty entry
+        modes = []
     if not modes or any(m not in TREE_MODE_CHOICES for m in modes):
         raise UsageError("--draft", f"{value!r}: the tree modes after '@' must be a comma-separated subset of "
                                     f"{','.join(TREE_MODE_CHOICES)}")

@@ -476,6 +476,11 @@ def test_cli_budget_auto_and_errors(capsys):
                        (["generate", "--method", "autoregressive", "--budget", "16", "x"], "--budget"),
                        (["generate", "--method", "chain", "--budget", "auto", "x"], "--budget"),
                        (["bench", "--dataset", "humaneval", "--budgets", "4,,8"], "--budgets"),
+                       (["bench", "--dataset", "humaneval", "--methods", "tev,,chain"], "--methods"),
+                       (["bench", "--dataset", "humaneval", "--temperatures", "0,1,"], "--temperatures"),
+                       (["tune", "--verifiers", "tev,"], "--verifiers"),
+                       (["generate", "--budget", "\uff15", "x"], "--budget"),  # a fullwidth 5: not a plain integer
+                       (["generate", "--method", "autoregressive", "--block-size", "5", "x"], "--block-size"),
                        (["tune", "--budgets", "0,4,"], "--budgets"),
                        (["bench", "--dataset", "humaneval", "--budgets", "auto,-1"], "--budgets")):
         assert main(argv) == 2
@@ -565,6 +570,7 @@ def test_cli_tune_writes_a_cost_table_that_generate_reads(tmp_path, capsys):
     bad.write_text("[1, 2]")
     for argv, flag in ((["generate", "--cost-table", str(bad), "x"], "--cost-table"),
                        (["generate", "--cost-table", str(tmp_path / "none.json"), "x"], "--cost-table"),
+                       (["generate", "--cost-table", str(tmp_path), "x"], "is a directory"),
                        (["generate", "--cost-table", str(out), "--budget", "16", "x"], "--cost-table"),
                        (["generate", "--cost-table", str(out), "--method", "chain", "x"], "--cost-table"),
                        (["tune", "--budgets", "0"], "--budgets"), (["tune", "--verifiers", "greedy"], "--verifiers"),

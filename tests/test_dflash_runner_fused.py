@@ -235,7 +235,12 @@ def test_slots_are_the_first_depths_of_the_full_draft(dflash2):
         assert outs[s].shape == (2, s, full.shape[2])
         torch.testing.assert_close(outs[s], full[:, :s], **TOL)
     d = StaticDFlashDrafter(dm, target)
+    with pytest.raises(RuntimeError, match="start"):  # no buffers yet
+        d.draft_rows(slice(0, 2), roots, root_pos, None, k - 1, 9)
     d.start(2, 40, "cpu")
-    for bad in (0, k):
+    for bad in (0, k, 2.5, True):
         with pytest.raises(ValueError, match="slots"):
             d.draft_rows(slice(0, 2), roots, root_pos, None, k - 1, 9, slots=bad)
+    for bad in (0, k, -1):  # a block longer than the drafter's, or empty
+        with pytest.raises(ValueError, match="depth"):
+            d.draft_rows(slice(0, 2), roots, root_pos, None, bad, 9)

@@ -78,8 +78,8 @@ def test_dflash_drafter_context_is_the_accepted_features(target):
     seen = []
     real_draft = drafter.draft_rows
 
-    def checked(rows, roots, root_pos, tokens, depth, max_root_pos):
-        out = real_draft(rows, roots, root_pos, tokens, depth, max_root_pos)
+    def checked(rows, roots, root_pos, tokens, depth, max_root_pos, **kw):
+        out = real_draft(rows, roots, root_pos, tokens, depth, max_root_pos, **kw)
         seen.append((int(root_pos[0]), roots[0].item(), out.clone(), depth))
         return out
 
@@ -100,7 +100,8 @@ def test_dflash_drafter_context_is_the_accepted_features(target):
         k_got, v_got = drafter.context_kv(0, root_pos, layer)
         torch.testing.assert_close(k_got, want[layer][0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v_got, want[layer][1], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    # the runtime asks for the depths the round's trees can reach (slots=): the first ones
+    torch.testing.assert_close(logits, ref_logits[:, : logits.shape[1]], rtol=1e-4, atol=1e-4)
 
 
 def test_stop_tokens_and_max_new_tokens(target):

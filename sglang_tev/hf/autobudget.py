@@ -252,6 +252,8 @@ class CostTable:
         if not str(path).strip():
             raise ValueError("cost_table: the path is empty")
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"cost_table: {p} is a directory; give the JSON file 'sglang-tev tune --output' wrote")
         if not p.is_file():
             raise ValueError(f"cost_table: no file at {p}")
         try:

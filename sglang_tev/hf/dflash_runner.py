@@ -286,13 +286,16 @@ class StaticDFlashDrafter:
         block is always ``depth + 1`` tokens (attention inside it is bidirectional, so every
         depth's logits depend on the whole block); a tree of budget B reaches depth B at most,
         so the runtime asks for ``min(B, depth)`` and the head and the last layer's queries skip
-        the rest. The logits of the depths computed do not depend on ``slots``.
+        the rest. The logits of the depths computed are those of ``slots=depth`` up to float32
+        rounding (the matmuls run over fewer rows).
 
         A context deferred by :meth:`add_context` for the same ``rows`` is projected here, fused
         with the block ([context ; block] rows per layer); one for other rows is written first.
 
         Raises:
-            ValueError: ``slots`` outside ``1 .. depth``; the block past the buffers.
+            ValueError: ``depth`` outside ``1 .. block_size - 1``, ``slots`` outside ``1 .. depth``
+                (or not an int); the block past the buffers.
+            RuntimeError: :meth:`start` was never called.
         """
         return self._head(self._draft_hidden(rows, roots, root_pos, depth, max_root_pos, slots))
 
@@ -338,10 +341,14 @@ class StaticDFlashDrafter:
         queries, o_proj and MLP over block slots 0 .. slots only (its keys and values cover the
         whole block; the conv is causal, so the slots kept do not read the ones dropped)."""
         m = self.model
+        if not self.keys:
+            raise RuntimeError("the drafter has no buffers: call start(rows, max_len, device) first")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= self.block_size - 1:
+            raise ValueError(f"depth: expected an int in 1 .. block_size - 1 = {self.block_size - 1}, got {depth!r}")
         b, k_blk = roots.shape[0], depth + 1
         slots = depth if slots is None else slots
-        if not 1 <= slots <= depth:
-            raise ValueError(f"slots: expected 1 .. depth = {depth}, got {slots}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= depth:
+            raise ValueError(f"slots: expected an int in 1 .. depth = {depth}, got {slots!r}")
         dtype = m.fc.weight.dtype
         pending = self._pending
         if pending is not None and pending[0] != rows:

@@ -194,10 +194,10 @@ def flush_context(state: BatchState) -> None:
 
 
 def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> torch.Tensor | SelectorLattice | None:
-    """Per-depth draft logits float32 [b, K - 1, V] (draft mode "marginal"), the DFlash2 selector's
-    :class:`~sglang_tev.draft.dflash2.SelectorLattice` over the K - 1 slots (draft mode "lattice":
-    ``candidate_ids`` [b, K - 1, k], ``transition_logq`` [b, K - 1, k, k]), or None when no row
-    may draft.
+    """Per-depth draft logits float32 [b, D, V] (draft mode "marginal"), the DFlash2 selector's
+    :class:`~sglang_tev.draft.dflash2.SelectorLattice` over D slots (draft mode "lattice":
+    ``candidate_ids`` [b, D, k], ``transition_logq`` [b, D, k, k]), or None when no row may draft;
+    D = K - 1, or fewer (below) with a ``partial_slots`` drafter or under ``budget="auto"``.
 
     The block is K tokens whatever the rows' depth caps: attention inside a DFlash block is
     bidirectional, so a shorter block would change every depth's logits; so a row's drafts do not
