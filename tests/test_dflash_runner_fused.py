@@ -244,3 +244,29 @@ def test_slots_are_the_first_depths_of_the_full_draft(dflash2):
     for bad in (0, k, -1):  # a block longer than the drafter's, or empty
         with pytest.raises(ValueError, match="depth"):
             d.draft_rows(slice(0, 2), roots, root_pos, None, bad, 9)
+
+
+def test_fused_weights_follow_a_change_between_calls(pair):
+    """The block forward's fused weights are rebuilt by start() when a parameter changed in place
+    (a training step between evaluations): the draft then equals the model's own with the new
+    weights, not the old fused copy."""
+    target, dm = pair
+    dm = __import__("copy").deepcopy(dm)
+    g = torch.Generator().manual_seed(9)
+    feats = torch.randn(1, 7, dm.fc.in_features, generator=g)
+    roots, root_pos = torch.tensor([5]), torch.tensor([7])
+    d = StaticDFlashDrafter(dm, target)
+    outs = []
+    for step in range(2):
+        if step:
+            with torch.no_grad():
+                dm.layers[0].self_attn.q_proj.weight.mul_(-1.5)
+                dm.layers[1].mlp.up_proj.weight.add_(0.05)
+        d.start(1, 32, "cpu")
+        d.add_context(slice(0, 1), feats, torch.arange(7)[None])
+        outs.append(d.draft_rows(slice(0, 1), roots, root_pos, None, K - 1, 7))
+        with torch.inference_mode():
+            want = dm.draft_logits(target.get_input_embeddings(), target.get_output_embeddings(), roots, 7, feats,
+                                   dm.new_cache(), block_size=K)
+        torch.testing.assert_close(outs[-1], want, **TOL)
+    assert (outs[0] - outs[1]).abs().max() > 1e-2

@@ -202,8 +202,9 @@ class StaticDFlashDrafter:
         self._weights(torch.device(device))
 
     def _weights(self, device: torch.device) -> None:
-        """The block forward's :class:`_LayerWeights`, rebuilt when a parameter was replaced or
-        changed in place since the last call (a training step between evaluations)."""
+        """The block forward's :class:`_LayerWeights`, rebuilt by :meth:`start` when a parameter
+        was replaced or changed in place since the last call (a training step between
+        evaluations; within one generation call the weights are fixed)."""
         key = (device, tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
         if key != self._weights_key:
             with torch.no_grad():
@@ -356,7 +357,6 @@ class StaticDFlashDrafter:
             pending = None
         self._pending = None
         self._tables(roots.device, dtype)
-        self._weights(roots.device)
         n_slots = self.keys[0].shape[2]
         kv_len = max_root_pos + k_blk
         if kv_len > n_slots - 1:
