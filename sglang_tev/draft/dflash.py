@@ -623,8 +623,16 @@ def block_train_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
 # Model
 # ----------------------------------------------------------------------------------------------
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm of the last dim: normalise in float32, scale by ``weight`` in ``x``'s dtype.
+    ``weight`` [d], or [heads, d] over x [..., heads, d] (one scale per head: q_norm and k_norm
+    in one call). torch's fused ``rms_norm``: ``x * rsqrt(mean(x^2) + eps)`` in one op instead of
+    five (the draft forward is op-bound on CPU); equal to the unfused form on fp32 and bf16."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in float32, scale by ``weight`` in the input dtype."""
+    """Qwen3 RMSNorm (:func:`rms_norm` with a learned ``weight``)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -632,9 +640,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused rms_norm: x * rsqrt(mean(x^2) + eps) in float32, one op instead of five
-        # (the draft forward is op-bound on CPU); equal to the unfused form on fp32 and bf16 inputs
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _rope(positions: torch.Tensor, head_dim: int, theta: float,

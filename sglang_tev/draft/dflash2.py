@@ -87,6 +87,14 @@ def grouped_causal_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor
                          f"({taps}, {h}), got {tuple(delta.shape)} and {tuple(base.shape)}")
     g = h // group_size
     span = t if block_len is None else block_len
+    if span >= t:
+        # one block (a draft's): tap by tap, fewer ops than the windows below
+        coef = base.to(x.dtype).view(taps, g, group_size) + delta.to(x.dtype).unsqueeze(-1)  # [b, T, taps, G, gs]
+        xg = x.reshape(b, t, g, group_size)
+        out = coef[:, :, 0] * xg
+        for j in range(1, min(taps, t)):  # taps reaching before the block read zero
+            out[:, j:] += coef[:, j:, j] * xg[:, :-j]
+        return out.view(b, t, h)
     nb = -(-t // span)
     # x[t - j] for every tap j at once, zero before each block: pad every block's front with
     # taps - 1 zeros and take sliding windows (window k ends at block position k; its element

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..draft.dflash import DFlashDraftModel
-from ..draft.dflash2 import SelectorLattice
+from ..draft.dflash import DFlashDraftModel, rms_norm
+from ..draft.dflash2 import SelectorLattice, grouped_causal_conv
 
 __all__ = ["StaticDFlashDrafter"]
 
@@ -66,34 +66,11 @@ def _last_writes(positions: torch.Tensor) -> torch.Tensor:
     return ~(same & later).any(2)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The drafter's RMSNorm (``dflash.RMSNorm``) with its weight passed in: normalise the last dim
-    in float32, scale by ``weight`` in ``x``'s dtype; ``weight`` may cover several heads
-    ([heads, d] over x [..., heads, d]: q_norm and k_norm in one call)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _conv_block(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """:func:`~sglang_tev.draft.dflash2.grouped_causal_conv` of ONE block (the draft's), in fewer
-    ops: ``out[t] = Σ_{j <= t} (base[j] + delta[t, j]) · x[t - j]``, one tap at a time.
-
-    Args: x [b, T, H]; base [taps, G, gs] (the static kernel, in x's dtype, channels split into
-    groups); delta [b, T, taps, G]. Returns [b, T, H]."""
-    b, t, h = x.shape
-    taps, g, gs = base.shape
-    xg = x.view(b, t, g, gs)
-    coef = base + delta.to(x.dtype).unsqueeze(-1)  # [b, T, taps, G, gs]
-    out = coef[:, :, 0] * xg
-    for j in range(1, min(taps, t)):  # taps reaching before the block read zero
-        out[:, j:] += coef[:, j:, j] * xg[:, :-j]
-    return out.view(b, t, h)
-
-
 class _LayerWeights:
     """One drafter layer's weights as the block forward reads them: q/k/v in one matrix, gate/up
     in one, q_norm and k_norm as one [heads, d] scale (CPU, where the draft forward is op-bound;
-    on other devices the separate matrices, so no weight is held twice), the conv's static
-    kernels split into groups."""
+    on other devices the separate matrices, so no weight is held twice); DFlash2's conv weights
+    read once (the conv itself is :func:`~sglang_tev.draft.dflash2.grouped_causal_conv`)."""
 
     __slots__ = ("ln_in", "ln_post", "qkv", "qk_norm", "o", "gu", "down", "conv_a", "conv_m", "eps")
 
@@ -109,11 +86,10 @@ class _LayerWeights:
         w = (mlp.gate_proj.weight, mlp.up_proj.weight)
         self.gu = torch.cat(w) if fuse else w
         self.down = mlp.down_proj.weight
-        self.conv_a = self.conv_m = None
+        self.conv_a = self.conv_m = None  # DFlash2: (kernel projection, base kernel [2, taps, H], taps, groups, group size)
         if layer.attention_conv is not None:
-            self.conv_a, self.conv_m = (
-                (c.kernel_projection.weight, c.base_kernel.view(2, c.taps, c.groups, c.group_size).to(self.o.dtype),
-                 c.taps, c.groups) for c in (layer.attention_conv, layer.mlp_conv))
+            self.conv_a, self.conv_m = ((c.kernel_projection.weight, c.base_kernel.to(self.o.dtype), c.taps, c.groups,
+                                         c.group_size) for c in (layer.attention_conv, layer.mlp_conv))
 
 
 def _linear_cat(x: torch.Tensor, w) -> torch.Tensor:
@@ -124,10 +100,16 @@ def _linear_cat(x: torch.Tensor, w) -> torch.Tensor:
 
 
 def _conv_prepare(x: torch.Tensor, conv) -> tuple[torch.Tensor, torch.Tensor]:
-    """``GroupedCausalConv.prepare`` on one block: (x convolved with side 0, side-1 coefficients)."""
-    proj, base, taps, groups = conv
+    """``GroupedCausalConv.prepare`` from :class:`_LayerWeights`' conv weights (no module call):
+    (x convolved with side 0, side-1 coefficients [b, T, taps, G])."""
+    proj, base, taps, groups, group_size = conv
     delta = F.linear(x, proj).view(*x.shape[:-1], 2, taps, groups)
-    return _conv_block(x, base[0], delta[:, :, 0]), delta[:, :, 1]
+    return grouped_causal_conv(x, base[0], delta[:, :, 0], group_size), delta[:, :, 1]
+
+
+def _conv_finish(y: torch.Tensor, delta: torch.Tensor, conv) -> torch.Tensor:
+    """``GroupedCausalConv.finish``: the sublayer output convolved with side 1."""
+    return grouped_causal_conv(y, conv[1][1], delta, conv[4])
 
 
 class StaticDFlashDrafter:
@@ -365,7 +347,7 @@ class StaticDFlashDrafter:
         pos = rp + self._arange[:k_blk]  # [b, K'] block positions
         if pending is not None:
             features, ctx_pos = _joined(pending[1], pending[2])
-            ctx = _rms(F.linear(features.to(dtype), m.fc.weight), m.hidden_norm.weight, m.hidden_norm.eps)  # [b, T, H]
+            ctx = m.hidden_norm(m.fc(features.to(dtype)))  # [b, T, H]
             t = ctx.shape[1]
             # context slots at or past the root are padding; the block owns them: send them to the
             # never-read last slot so that one scatter writes context and block without duplicates
@@ -388,12 +370,12 @@ class StaticDFlashDrafter:
         for li, (lw, kb, vb) in enumerate(zip(self._layer_weights, self.keys, self.values)):
             attn = m.layers[li].self_attn
             nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            x = _rms(h, lw.ln_in, lw.eps)
+            x = rms_norm(h, lw.ln_in, lw.eps)
             if lw.conv_a is not None:
                 x, delta = _conv_prepare(x, lw.conv_a)
             kv_in = x if ctx is None else torch.cat([ctx, x], dim=1)  # [b, T + K', H]
             qkv = _linear_cat(kv_in, lw.qkv).view(b, n, nh + 2 * nkv, hd)
-            qk = _rotate(_rms(qkv[:, :, : nh + nkv], lw.qk_norm, lw.eps), cos, sin)  # q_norm, k_norm, RoPE
+            qk = _rotate(rms_norm(qkv[:, :, : nh + nkv], lw.qk_norm, lw.eps), cos, sin)  # q_norm, k_norm, RoPE
             # the last layer's outputs are read at block slots 0 .. slots only
             q_len = slots + 1 if li == last else k_blk
             q = qk[:, t: t + q_len, :nh].transpose(1, 2)
@@ -412,13 +394,13 @@ class StaticDFlashDrafter:
             if q_len < k_blk:
                 h = h[:, :q_len]
             if lw.conv_a is not None:
-                h = h + _conv_block(a, lw.conv_a[1][1], delta[:, :q_len])
-                x, delta = _conv_prepare(_rms(h, lw.ln_post, lw.eps), lw.conv_m)
-                h = h + _conv_block(self._mlp(x, lw), lw.conv_m[1][1], delta)
+                h = h + _conv_finish(a, delta[:, :q_len], lw.conv_a)
+                x, delta = _conv_prepare(rms_norm(h, lw.ln_post, lw.eps), lw.conv_m)
+                h = h + _conv_finish(self._mlp(x, lw), delta, lw.conv_m)
             else:
                 h = h + a
-                h = h + self._mlp(_rms(h, lw.ln_post, lw.eps), lw)
-        return _rms(h[:, 1: slots + 1], m.norm.weight, m.norm.eps)  # row-wise: the root slot's output is not needed
+                h = h + self._mlp(rms_norm(h, lw.ln_post, lw.eps), lw)
+        return m.norm(h[:, 1: slots + 1])  # row-wise: the root slot's output is not needed
 
     @staticmethod
     def _mlp(x: torch.Tensor, lw: _LayerWeights) -> torch.Tensor:
