@@ -30,16 +30,14 @@ from typing import Callable
 
 from . import __version__
 from .hf import assets as _assets  # no torch import
+from .spec import DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, TREE_MODES, VERIFIERS, SpecError, is_greedy
 
 PROG = "sglang-tev"
 ASSETS_DIR = _assets.ASSETS_DIR  # the shipped model pair
-MAX_BUDGET = 1024  # = hf.runtime.MAX_BUDGET (checked before loading; no torch import here)
 EXIT_SIGPIPE = 128 + 13  # what a shell reports for a tool killed by SIGPIPE (`yes | head`)
-VERIFIERS = ("tev", "predraw", "sequential", "greedy")
-METHODS = ("autoregressive", "chain", *VERIFIERS)  # = hf.runtime.GENERATION_METHODS (no torch import for --help)
+METHODS = GENERATION_METHODS
 DTYPES = ("float32", "bfloat16", "float16")
-DRAFT_MODES = ("auto", "lattice", "marginal")  # = hf.runtime.DRAFT_MODES
-# First word of a runtime ValueError message -> the command-line argument it is about.
+# A runtime argument's name (SpecError.arg; for plain ValueErrors, the message's leading name) -> its flag.
 _ARG_OF = {
     "target": "--target", "draft": "--draft", "prompt": "PROMPT", "budget": "--budget",
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
@@ -87,6 +85,8 @@ def _usage_from(exc: Exception, default_arg: str) -> UsageError:
         method = msg.split("'")[1] if msg.count("'") >= 2 else "this method"
         return UsageError("--draft", f"--method {method} needs a drafter: pass --draft DIR or use "
                                      "--method autoregressive")
+    if isinstance(exc, SpecError):  # the runtime named its argument: no guessing from the words
+        return UsageError(_ARG_OF.get(exc.arg, default_arg), msg)
     head = msg.split(":", 1)[0].split(" ", 1)[0]
     return UsageError(_ARG_OF.get(head, default_arg), _strip_name(msg))
 
@@ -553,7 +553,7 @@ def _check_generate_args(args) -> None:
         raise UsageError("--block-size", f"must be >= 2, got {args.block_size}")
     if args.stop is not None and any(s == "" for s in args.stop):
         raise UsageError("--stop", "stop strings must be non-empty")
-    if args.temperature >= 1e-5:
+    if not is_greedy(args.temperature):
         greedy_arg = None
         if method == "greedy":
             greedy_arg = "--verifier" if args.method is None else "--method"
@@ -720,7 +720,6 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args, argv: list[str]) -> int:
     from .hf.bench import format_table, run_bench
-    from .sampling import GREEDY_EPS
 
     if args.limit is not None:
         _at_least("--limit", args.limit, 1)
@@ -740,7 +739,7 @@ def cmd_bench(args, argv: list[str]) -> int:
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         raise UsageError("--methods", f"unknown {bad}; choose from {','.join(METHODS)}")
-    if "greedy" in args.methods and any(t >= GREEDY_EPS for t in args.temperatures):
+    if "greedy" in args.methods and any(not is_greedy(t) for t in args.temperatures):
         raise UsageError("--methods", "'greedy' is exact only at temperature 0; drop it or use --temperatures 0")
     if not args.draft_modes or any(m not in DRAFT_MODES for m in args.draft_modes):
         raise UsageError("--draft-modes", f"give a comma-separated subset of {','.join(DRAFT_MODES)}, got "
@@ -875,7 +874,7 @@ def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()
         raise UsageError(arg, f"cannot create {str(out)[:80]!r}...: a name is longer than {name_max} bytes")
 
 
-TREE_MODE_CHOICES = ("auto", "marginal", "lattice", "chain")  # "auto" + train.exit.TREE_MODES
+TREE_MODE_CHOICES = ("auto", *TREE_MODES)
 
 
 def _draft_with_modes(value: str) -> tuple[str, list[str] | None]:

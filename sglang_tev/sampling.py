@@ -22,8 +22,7 @@ import torch
 
 __all__ = ["SamplingParams", "GREEDY_EPS", "processed_probs", "validate_logits", "LogitsProcessor"]
 
-GREEDY_EPS = 1e-5
-"""Temperatures below this are greedy (DESIGN §1)."""
+from .spec import GREEDY_EPS  # noqa: E402  (temperatures below it are greedy, DESIGN §1)
 
 Scalar = Union[int, float, torch.Tensor]
 LogitsProcessor = Callable[[torch.Tensor, object], torch.Tensor]

@@ -26,12 +26,18 @@ def gen():
     return SpeculativeGenerator.from_pretrained()
 
 
+PENALTIES = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, logit_bias={7: -2.0, 11: 1.5})
+
+
+@pytest.mark.parametrize("penalties", [False, True], ids=["plain", "penalties"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_one_host_sync_per_round(gen, temperature):
+def test_one_host_sync_per_round(gen, temperature, penalties):
+    """Also with repetition / frequency / presence penalties and a logit bias on: their per-round
+    parameter rows go to the device as the index lists do (``hf/transfer.py``)."""
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
     with gpu_code_paths(), HostSyncCounter(include=("sglang_tev/",)) as c:
         results = gen.generate(prompts, method="tev", budget=16, max_new_tokens=[40, 24, 32],
-                               sampling=SamplingParams(temperature=temperature), seed=3)
+                               sampling=SamplingParams(temperature=temperature), seed=3, **(PENALTIES if penalties else {}))
     per_row = [len(r.rounds) for r in results]
     sites = c.by_site()
     decision = sum(n for (file, _, op), n in sites.items() if file.endswith(DECISION))

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..spec import is_greedy
+
 __all__ = [
     "DFLASH2_ARCHITECTURES",
     "GroupedCausalConv",
@@ -294,7 +296,7 @@ def selector_walk(lattice: SelectorLattice, temperature: float = 0.0, uniforms: 
     b, d, k, _ = s.shape
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature!r}")
-    greedy = temperature < 1e-5
+    greedy = is_greedy(temperature)
     if not greedy:
         if uniforms is None:
             uniforms = torch.rand((b, d), generator=generator, dtype=torch.float64, device=s.device)

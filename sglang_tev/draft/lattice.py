@@ -52,14 +52,15 @@ import heapq
 import torch
 
 from ..tree import DraftTree
+from ..spec import GREEDY_EPS
 from . import ddtree as _dd
 from .ddtree import (_check_budget, _check_options, _check_roots, _host_options, _is_leaf_token, _keep_best,
                      _levels_tree, _pad_tree, _root_only, build_ddtree_topk)
 
 __all__ = ["build_lattice_tree", "build_marginal_tree", "lattice_marginals", "selector_chain"]
 
-GREEDY_TEMPERATURE = 1e-5
-"""Temperatures below this are greedy in :func:`selector_chain` (the project's convention, DESIGN §3)."""
+GREEDY_TEMPERATURE = GREEDY_EPS
+"""Temperatures below this are greedy in :func:`selector_chain` (:data:`sglang_tev.spec.GREEDY_EPS`)."""
 
 
 # ---------------------------------------------------------------------------------------- checks

@@ -48,12 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..spec import AUTO, MAX_BUDGET  # the largest budget anywhere, cost tables included
+
 __all__ = ["AUTO", "DEFAULT_GRID", "MAX_BUDGET", "CostTable", "BudgetController"]
 
-AUTO = "auto"
-MAX_BUDGET = 1024
-"""Largest DDTree budget the runtime accepts (the largest the DDTree reference benchmarks): the
-builder's memory grows as budget x min(budget, V). Also the largest a cost table may hold."""
 DEFAULT_GRID = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 """Budgets ``budget="auto"`` chooses from (0 = a plain decoding round). The largest is the
 default ``max_budget``."""
@@ -482,7 +480,7 @@ class BudgetController:
         del self.trials[:-1000]
         self._failures[batch] = 0 if won else self._failures.get(batch, 0) + 1
         if not won:
-            self._cooldown[batch] = self.rounds + min(1024, 32 << (self._failures[batch] - 1))
+            self._cooldown[batch] = self.rounds + (32 << min(5, self._failures[batch] - 1))  # five doublings at most
         keep = t["to"] if won else t["from"]
         self._current[batch] = keep
         self._cost_now[batch] = self.costs.cost(batch, keep)

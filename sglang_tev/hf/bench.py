@@ -50,16 +50,16 @@ from typing import Callable, Sequence
 
 from ..sampling import SamplingParams
 from .datasets import Prompt, encode_prompt
-from .runtime import DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, STAGES, SpeculativeGenerator
+from ..spec import DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, VERIFIERS, is_greedy
+from .runtime import STAGES, SpeculativeGenerator
 
 __all__ = ["run_bench", "bench_configs", "format_table", "DEFAULT_METHODS", "RECORD_KEYS", "TREE_METHODS"]
 
 DEFAULT_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential")
-TREE_METHODS = ("tev", "predraw", "sequential", "greedy")  # DDTree + this verifier, one run per budget
+TREE_METHODS = VERIFIERS  # DDTree + this verifier, one run per budget
 RECORD_KEYS = ("method", "budget", "temperature", "draft_mode", "prompts", "new_tokens", "rounds", "tau",
                "accept_len_mean", "coverage_mean", "tokens_per_s", "tokens_per_s_iqr", "speedup", "speedup_iqr",
                "repeats", "repeat_spread", "stage_ms", "skipped_prompts", "budgets_chosen")
-GREEDY_EPS = 1e-5
 
 
 def _stderr(msg: str) -> None:
@@ -120,7 +120,7 @@ def _check_args(generator, budgets, temperatures, max_new_tokens, methods, seed,
     temperatures = list(dict.fromkeys(float(t) for t in temperatures))
     if not temperatures or any(not (t >= 0) or math.isinf(t) for t in temperatures):
         raise ValueError(f"temperatures must be finite numbers >= 0, got {temperatures!r}")
-    if "greedy" in methods and any(t >= GREEDY_EPS for t in temperatures):
+    if "greedy" in methods and any(not is_greedy(t) for t in temperatures):
         raise ValueError("methods: 'greedy' is exact only at temperature 0; drop it or use temperatures 0")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")

@@ -10,6 +10,7 @@ import torch
 
 from ..tree import DraftTree
 from .controls import Controls, apply_controls
+from .transfer import to_device
 
 __all__ = ["ControlState"]
 
@@ -41,14 +42,14 @@ class ControlState:
         dev = self.device
         if self.seen is not None:
             self.seen[slot] = False
-            self.seen[slot, torch.tensor(prompt_ids, device=dev)] = True
+            self.seen[slot, to_device(prompt_ids, torch.int64, dev)] = True
         if self.counts is not None:
             self.counts[slot] = 0
         if self.bias is not None:
             self.bias[slot] = 0
             if controls.logit_bias:
-                self.bias[slot, torch.tensor(list(controls.logit_bias), device=dev)] = torch.tensor(
-                    list(controls.logit_bias.values()), dtype=torch.float32, device=dev)
+                self.bias[slot, to_device(list(controls.logit_bias), torch.int64, dev)] = to_device(
+                    list(controls.logit_bias.values()), torch.float32, dev)
 
     def move_row(self, src: int, dst: int) -> None:
         """The row in slot ``src`` moves to slot ``dst``."""

@@ -32,6 +32,7 @@ import torch
 
 from ..penalties import path_counts
 from ..tree import DraftTree
+from .transfer import to_device
 
 __all__ = ["Controls", "path_counts", "apply_controls"]
 
@@ -107,13 +108,13 @@ def apply_controls(logits: torch.Tensor, tree: DraftTree, controls: list[Control
         pc = path_counts(tree, v)
         out = out.clone()
         if seen is not None:
-            p = torch.tensor([c.repetition_penalty for c in controls], dtype=out.dtype, device=dev).view(b, 1, 1)
+            p = to_device([c.repetition_penalty for c in controls], out.dtype, dev).view(b, 1, 1)
             present = seen.unsqueeze(1) | (pc > 0)
             scaled = torch.where(out > 0, out / p, out * p)
             out = torch.where(present, scaled, out)
         if gen_counts is not None:
-            f = torch.tensor([c.frequency_penalty for c in controls], dtype=out.dtype, device=dev).view(b, 1, 1)
-            a = torch.tensor([c.presence_penalty for c in controls], dtype=out.dtype, device=dev).view(b, 1, 1)
+            f = to_device([c.frequency_penalty for c in controls], out.dtype, dev).view(b, 1, 1)
+            a = to_device([c.presence_penalty for c in controls], out.dtype, dev).view(b, 1, 1)
             cnt = gen_counts.unsqueeze(1) + pc
             out = out - f * cnt - a * (cnt > 0).to(out.dtype)
     if bias is not None:

@@ -33,6 +33,7 @@ from ..draft.ddtree import build_ddtree
 from ..draft.dflash2 import SelectorLattice
 from ..draft.lattice import build_lattice_tree, selector_chain
 from ..native import native
+from ..plan import BudgetPolicy, RoundPlan
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 from ..verify import num_uniforms, verify_tree
@@ -60,11 +61,13 @@ class BatchState:
     owns its buffers (it fills, refills and moves their rows) and runs :func:`run_round` on it.
 
     The call:
-        method: a ``GENERATION_METHODS`` entry; verifier: the verify method; budget: B;
+        method: a ``GENERATION_METHODS`` entry; verifier: the verify method; policy: the
+        :class:`~sglang_tev.plan.BudgetPolicy` asked for each round's :class:`~sglang_tev.plan.RoundPlan`;
         draft_mode: ``"marginal"`` (per-depth draft logits: DDTree / argmax chain) or
         ``"lattice"`` (a DFlash2 selector lattice: lattice DDTree / the selector's chain), resolved
         by the generator (see ``SpeculativeGenerator.generate``);
-        block_size: K (None: autoregressive); n_nodes: N, the tree width of every round;
+        block_size: K (None: autoregressive); n_nodes: N = 1 + the policy's capacity (the chain's
+        K), the largest tree width any round may use: buffers and static shapes are sized by it;
         static: fixed forward shapes (the attention reads the whole cache); time_stages: sync the
         device after each stage; stream: ``fn(request index, ids)`` or None; tokenizer: for stop
         strings (or None).
@@ -77,8 +80,7 @@ class BatchState:
         with static shapes; graphs: captured tree forwards or None; slot_ids: int64 arange.
     Carried from round to round:
         rows: the active rows; pending_context: the last commit's path features for the drafter;
-        budget_ctl: with ``budget="auto"`` the controller that sets ``budget`` before each round
-        (:mod:`~sglang_tev.hf.autobudget`) and reads back its gains and time;
+        plan: the current round's plan (budgets per row, draft depth, sub-budgets to report);
         sampling_key / sampling: the batch's SamplingParams and the rows it was made for (the
         scheduler sets the key to None when rows change); first: no round verified yet;
         round_no.
@@ -86,7 +88,7 @@ class BatchState:
 
     method: str
     verifier: str
-    budget: int
+    policy: BudgetPolicy
     block_size: int | None
     n_nodes: int
     static: bool
@@ -111,7 +113,12 @@ class BatchState:
     first: bool = True
     round_no: int = 0
     draft_mode: str = "marginal"
-    budget_ctl: object = None  # hf/autobudget.BudgetController with budget="auto", else None
+    plan: RoundPlan | None = None
+
+    @property
+    def budget(self) -> int:
+        """This round's tree budget B (the plan's; the largest row's)."""
+        return self.plan.budget
 
     @property
     def speculative(self) -> bool:
@@ -142,10 +149,8 @@ def run_round(state: BatchState) -> list[int]:
     rows = state.rows
     b = len(rows)
     sl = slice(0, b)
-    ctl = state.budget_ctl
     t0 = clock[0]
-    if ctl is not None:
-        state.budget = ctl.choose(b)
+    plan = state.plan = state.policy.plan(b)
     lens = to_device([r.past_len for r in rows], torch.int64, state.device)
     roots = to_device([r.ids[-1] for r in rows], torch.int64, state.device)
     # a plain decoding step (budget 0 under auto) drafts nothing: no depth caps to read
@@ -159,13 +164,12 @@ def run_round(state: BatchState) -> list[int]:
     lap("build")
     logits, feats = tree_forward(state, tree, inputs)
     lap("tree_forward")
-    reach_at = ctl.grid_upto(state.budget) if ctl is not None and drafted is not None else None
+    reach_at = list(plan.reach_at) if plan.reach_at and drafted is not None else None
     decision = verify(state, tree, logits, reach_at)
     lap("verify")
     finished = commit(state, sl, tree, lens, feats, decision, times)
     lap("commit")
-    if ctl is not None:
-        ctl.observe(b, state.budget, decision.reach_cum, time.perf_counter() - t0)
+    state.policy.observe(plan, decision.reach_cum, time.perf_counter() - t0)
     state.round_no += 1
     return finished
 
@@ -197,17 +201,17 @@ def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> to
     """Per-depth draft logits float32 [b, D, V] (draft mode "marginal"), the DFlash2 selector's
     :class:`~sglang_tev.draft.dflash2.SelectorLattice` over D slots (draft mode "lattice":
     ``candidate_ids`` [b, D, k], ``transition_logq`` [b, D, k, k]), or None when no row may draft;
-    D = K - 1, or fewer (below) with a ``partial_slots`` drafter or under ``budget="auto"``.
+    D = the plan's draft depth (K - 1 when it gives none), or fewer with a ``partial_slots`` drafter.
 
     The block is K tokens whatever the rows' depth caps: attention inside a DFlash block is
     bidirectional, so a shorter block would change every depth's logits; so a row's drafts do not
     depend on its neighbours' caps (nor on the batch), and the draft forward has one shape; the
     builder caps each row's tree instead. A drafter with ``partial_slots`` returns only the
     depths this round's trees can reach (``min(B, deepest cap)``; their logits do not change).
-    Under ``budget="auto"`` a budget-B round drafts a block of ``min(K, B + 1)`` tokens (a tree of
-    B nodes reaches depth B at most): chosen with B from past rounds only, so the output law is
-    untouched; the drafts of the depths kept may move a little (tau unchanged on the shipped
-    pair), and the controller's gains are those of the blocks it runs.
+    A plan with a ``draft_depth`` (``budget="auto"``: ``min(K - 1, B)``, a tree of B nodes reaches
+    depth B at most) drafts a block of ``draft_depth + 1`` tokens: chosen from past rounds only,
+    so the output law is untouched; the drafts of the depths kept may move a little (tau
+    unchanged on the shipped pair), and the policy's gains are those of the blocks it runs.
     """
     flush_context(state)
     deepest = max(depth_cap)
@@ -217,11 +221,10 @@ def draft(state: BatchState, sl: slice, roots, lens, depth_cap: list[int]) -> to
     depth = state.block_size - 1
     kw = {}
     if state.method != "chain":
-        if state.budget_ctl is not None:
-            # budget auto: a tree of B nodes reaches depth B at most, so the block is B + 1 tokens
-            # (the depths past it would only be attended to; same tau on the shipped pair, up to
-            # 20 % cheaper drafts on CPU), chosen with the budget, from past rounds only
-            depth = min(depth, state.budget)
+        if state.plan.draft_depth is not None:
+            # the plan cuts the block (auto: B + 1 tokens; the depths past it would only be
+            # attended to; up to 20 % cheaper drafts on CPU), chosen from past rounds only
+            depth = min(depth, state.plan.draft_depth)
         if getattr(state.drafter, "partial_slots", False):
             # the drafter's head skips the slots no tree of this round can reach
             kw["slots"] = min(deepest, state.budget, depth)

@@ -30,12 +30,14 @@ from typing import Callable, Sequence
 import torch
 
 from ..sampling import SamplingParams
-from ..verify import METHODS as VERIFIERS
+from ..spec import (AUTO, DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, VERIFIERS, SpecError, check_budget,
+                    greedy_temperature, resolve_draft_mode)
 from .assets import shipped_pair_default
 from .controls import Controls
 from .records import STAGES, GenerationResult, Request, RoundStats, Row
 from .round import NonFiniteLogitsError
-from .autobudget import AUTO, DEFAULT_GRID, MAX_BUDGET, BudgetController, CostTable
+from ..plan import AutoBudget, BudgetPolicy, FixedBudget
+from .autobudget import DEFAULT_GRID, BudgetController, CostTable
 from .scheduler import DecodeBuffers, Scheduler
 from .static_cache import StaticKVCache, cache_kwargs  # noqa: F401 - cache_kwargs: tests and benchmarks import it from here
 from .stops import stop_token_set
@@ -44,22 +46,11 @@ from .target import TargetModel
 __all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "Request", "Controls",
            "GENERATION_METHODS", "DRAFT_MODES", "STAGES", "MAX_BUDGET", "NonFiniteLogitsError"]
 
-GENERATION_METHODS = ("autoregressive", "chain", "tev", "predraw", "sequential", "greedy")
-"""``autoregressive``: plain decoding (a root-only tree per step); ``chain``: the linear DFlash
-block (per-depth argmax, parents[i] = i - 1; in draft mode ``lattice`` the DFlash2 selector's
-greedy / sampled walk instead) checked by ``verifier``; the rest: DDTree (over the selector
-lattice in draft mode ``lattice``) verified by that method."""
-
-DRAFT_MODES = ("auto", "lattice", "marginal")
-"""How a round reads its draft (issue 28). ``marginal``: per-depth draft logits (a DFlash2
-drafter's transformed marginals, its selector not run) into DDTree, or the per-depth argmax chain
-for ``method="chain"``. ``lattice`` (DFlash2 drafters with a candidate selector only): the
-selector's candidate lattice into the lattice DDTree (``draft/lattice.build_lattice_tree``: a
-node's children are the next slot's candidates scored by the transition row of the node's own
-candidate), or, for ``method="chain"``, DFlash2's own chain (``selector_chain``: the selector's
-greedy walk at T = 0, its sampled walk at the row's temperature otherwise; a depth-(K-1) draft
-tree verified like any other). ``auto``: ``lattice`` for a drafter with a selector, else
-``marginal``."""
+# GENERATION_METHODS and DRAFT_MODES are the spec's (sglang_tev.spec); what each draft mode runs
+# here: ``marginal`` = per-depth draft logits (a DFlash2 drafter's transformed marginals) into
+# DDTree, or the per-depth argmax chain for ``method="chain"``; ``lattice`` = the DFlash2
+# selector's candidate lattice into the lattice DDTree (draft/lattice.build_lattice_tree), or the
+# selector's own walk for ``method="chain"``.
 
 
 
@@ -420,15 +411,24 @@ class SpeculativeGenerator:
             if cap > self.drafter.max_rows and method != "autoregressive":
                 raise ValueError(f"batch_size: the drafter {type(getattr(self.drafter, 'inner', self.drafter)).__name__} "
                                  f"serves one sequence at a time; use batch_size=1 or a BatchDrafter")
-        ctl = None
-        if budget == AUTO:
-            ctl = self._budget_controller(requests)
-            budget = ctl.max_budget
-        Scheduler(self._target, self.drafter, self._buffers, rows, cap, method, vmethod, budget, K, stream,
+        Scheduler(self._target, self.drafter, self._buffers, rows, cap, method, vmethod,
+                  self._budget_policy(budget, method, requests, K), K, stream,
                   tokenizer=self.tokenizer, static=self.static_shapes or self.cuda_graphs,
-                  time_stages=self.time_stages, draft_mode=mode, budget_ctl=ctl).run()
+                  time_stages=self.time_stages, draft_mode=mode).run()
         self._finish(rows, single=len(rows) == 1)
         return [r.result for r in rows]
+
+    def _budget_policy(self, budget, method: str, requests, block_size: int | None) -> BudgetPolicy:
+        """The call's :class:`~sglang_tev.plan.BudgetPolicy`: ``budget="auto"`` on a tree method
+        -> :class:`~sglang_tev.plan.AutoBudget` over this target law's controller; otherwise
+        :class:`~sglang_tev.plan.FixedBudget` (for ``chain`` / ``autoregressive`` under auto, the
+        controller's largest budget: only the buffers read it)."""
+        if budget != AUTO:
+            return FixedBudget(budget)
+        ctl = self._budget_controller(requests)
+        if method in ("chain", "autoregressive"):
+            return FixedBudget(ctl.max_budget)
+        return AutoBudget(ctl, block_size)
 
     def _budget_controller(self, requests) -> BudgetController:
         """The ``budget="auto"`` controller of this target law (greedy, or the set of sampling
@@ -436,7 +436,7 @@ class SpeculativeGenerator:
         ``self.cost_table``."""
         temps = sorted({0.0 if r.sampling is None else round(float(torch.as_tensor(r.sampling.temperature).reshape(-1)[0]), 3)
                         for r in requests})
-        temps = [0.0 if t < 1e-5 else t for t in temps]
+        temps = [greedy_temperature(t) for t in temps]
         grid = tuple(sorted({int(b) for b in self.budget_grid if 0 <= int(b) <= MAX_BUDGET}))
         key = (grid, tuple(temps))
         ctl = self._controllers.get(key)
@@ -456,33 +456,23 @@ class SpeculativeGenerator:
         for ``autoregressive`` (no draft).
 
         Raises:
-            ValueError naming ``draft_mode``: not one of :data:`DRAFT_MODES`, or ``"lattice"``
-            with a drafter that has no candidate selector (DFlash v1, custom drafters).
+            SpecError naming ``draft_mode``: not one of :data:`~sglang_tev.spec.DRAFT_MODES`, or
+            ``"lattice"`` with a drafter that has no candidate selector (DFlash v1, custom drafters).
         """
-        if draft_mode not in DRAFT_MODES:
-            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
-        if draft_mode == "lattice" and not self.has_selector:
-            raise ValueError("draft_mode 'lattice' (the selector lattice tree, or the selector chain with method "
-                             "'chain') needs a DFlash2 drafter with a candidate selector (config selector_rank / "
-                             "selector_top_k); this drafter has none: use draft_mode 'marginal' or 'auto'")
-        if method == "autoregressive":
-            return None
-        if draft_mode == "auto":
-            return "lattice" if self.has_selector else "marginal"
-        return draft_mode
+        mode = resolve_draft_mode(draft_mode, self.has_selector, lattice_error=(
+            "'lattice' (the selector lattice tree, or the selector chain with method 'chain') needs a DFlash2 "
+            "drafter with a candidate selector (config selector_rank / selector_top_k); this drafter has none: "
+            "use draft_mode 'marginal' or 'auto'"))
+        return None if method == "autoregressive" else mode
 
     def _check_call(self, method, budget, block_size, verifier, requests, batch_size):
         if method not in GENERATION_METHODS:
-            raise ValueError(f"method must be one of {GENERATION_METHODS}, got {method!r}")
+            raise SpecError("method", f"must be one of {GENERATION_METHODS}, got {method!r}")
         if verifier not in VERIFIERS:
-            raise ValueError(f"verifier must be one of {VERIFIERS}, got {verifier!r}")
-        if not (isinstance(budget, str) and budget == AUTO):
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-                raise ValueError(f"budget must be 'auto' or an int >= 0, got {budget!r}")
-            if budget > MAX_BUDGET:
-                raise ValueError(f"budget must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) candidates), got {budget}")
+            raise SpecError("verifier", f"must be one of {VERIFIERS}, got {verifier!r}")
+        check_budget(budget)
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+            raise SpecError("batch_size", f"must be an int >= 1, got {batch_size!r}")
         vmethod = method if method in VERIFIERS else verifier
         speculative = method != "autoregressive"
         if speculative and self.drafter is None:
@@ -491,28 +481,28 @@ class SpeculativeGenerator:
         if speculative:
             K = self.drafter.block_size if block_size is None else block_size
             if isinstance(K, bool) or not isinstance(K, int) or not 2 <= K <= self.drafter.block_size:
-                raise ValueError(f"block_size must be an int in [2, {self.drafter.block_size}], got {block_size!r}")
+                raise SpecError("block_size", f"must be an int in [2, {self.drafter.block_size}], got {block_size!r}")
         for req in requests:
             m = req.max_new_tokens
             if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise ValueError(f"max_new_tokens must be an int >= 1, got {m!r}")
+                raise SpecError("max_new_tokens", f"must be an int >= 1, got {m!r}")
             sp = SamplingParams(temperature=0.0) if req.sampling is None else req.sampling
             if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
+                raise SpecError("sampling", f"must be a SamplingParams, got {type(sp).__name__}")
             sp.validate(1)
             for name in ("temperature", "top_k", "top_p", "min_p"):
                 if isinstance(getattr(sp, name), torch.Tensor) and getattr(sp, name).numel() != 1:
                     raise ValueError(f"sampling.{name}: one value per request (pass a list of SamplingParams)")
             if vmethod == "greedy" and not sp.all_greedy():
-                raise ValueError("verifier 'greedy' is exact only at temperature < 1e-5; use tev, predraw or sequential")
+                raise SpecError("verifier", "'greedy' is exact only at temperature < 1e-5; use tev, predraw or sequential")
             if isinstance(req.seed, bool) or not isinstance(req.seed, int):
-                raise ValueError(f"seed must be an int, got {req.seed!r}")
+                raise SpecError("seed", f"must be an int, got {req.seed!r}")
             ss = req.stop_strings
             if ss is not None:
                 if isinstance(ss, str) or not all(isinstance(s, str) and s for s in ss):
-                    raise ValueError("stop_strings must be a list of non-empty strings")
+                    raise SpecError("stop_strings", "must be a list of non-empty strings")
                 if self.tokenizer is None:
-                    raise ValueError("stop_strings need a tokenizer")
+                    raise SpecError("stop_strings", "need a tokenizer")
             (req.controls or Controls()).validate(self.vocab_size)
         return K, vmethod
 
@@ -527,11 +517,11 @@ class SpeculativeGenerator:
             else:
                 ids = [int(t) for t in p]
             if len(ids) == 0:
-                raise ValueError("prompt must hold at least one token")
+                raise SpecError("prompt", "must hold at least one token")
             if len(ids) > self.max_positions:
-                raise ValueError(f"prompt has {len(ids)} tokens, more than the model's {self.max_positions} positions")
+                raise SpecError("prompt", f"has {len(ids)} tokens, more than the model's {self.max_positions} positions")
             if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+                raise SpecError("prompt", f"token ids must be in [0, {self.vocab_size})")
             sp = SamplingParams(temperature=0.0) if req.sampling is None else req.sampling
             req = Request(ids, sp, req.seed, req.max_new_tokens, req.stop_token_ids, req.stop_strings, req.ignore_eos,
                           req.controls)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..plan import BudgetPolicy
 from .control_state import ControlState
 from .masks import KeptTreeMask, prefill_masks
 from .records import Row
@@ -87,23 +88,23 @@ class Scheduler:
         buffers: the generator's :class:`DecodeBuffers`.
         rows: the call's requests as :class:`Row` s, in input order.
         cap: batch slots.
-        method, verifier, budget, block_size: checked by the generator.
+        method, verifier, block_size: checked by the generator.
+        policy: the call's :class:`~sglang_tev.plan.BudgetPolicy`; its ``capacity`` sizes the
+            buffers (N = 1 + capacity), each round runs the plan it returns.
         stream: ``fn(request index, ids)`` or None.
         tokenizer: for stop strings (or None).
         static: fixed shapes for every tree forward; time_stages: sync after each stage (CUDA).
         draft_mode: ``"marginal"`` or ``"lattice"`` (resolved by the generator; None or anything
             else for autoregressive calls reads as marginal).
-        budget_ctl: a :class:`~sglang_tev.hf.autobudget.BudgetController` (``budget="auto"``;
-            ``budget`` is then its largest budget, which sizes the buffers) or None.
     """
 
     def __init__(self, target: TargetModel, drafter, buffers: DecodeBuffers, rows: list[Row], cap: int, method: str,
-                 verifier: str, budget: int, block_size: int | None, stream, *, tokenizer, static: bool,
-                 time_stages: bool, draft_mode: str | None = "marginal", budget_ctl=None) -> None:
+                 verifier: str, policy: BudgetPolicy, block_size: int | None, stream, *, tokenizer, static: bool,
+                 time_stages: bool, draft_mode: str | None = "marginal") -> None:
         self.target, self.drafter = target, drafter
         dev = target.device
         speculative = method != "autoregressive"
-        n_nodes = 1 if not speculative else (block_size if method == "chain" else 1 + budget)
+        n_nodes = 1 if not speculative else (block_size if method == "chain" else 1 + policy.capacity)
         self.waiting = list(rows)
         self.cap = cap
         longest = max(min(len(r.ids) + r.req.max_new_tokens, target.max_positions) for r in rows)
@@ -114,7 +115,7 @@ class Scheduler:
         if speculative:
             drafter.start(cap, max_len, dev)
         self.state = BatchState(
-            method=method, verifier=verifier, budget=budget, block_size=block_size, n_nodes=n_nodes, static=static,
+            method=method, verifier=verifier, policy=policy, block_size=block_size, n_nodes=n_nodes, static=static,
             time_stages=time_stages, stream=stream, tokenizer=tokenizer, target=target, drafter=drafter,
             layer_ids=layer_ids if layer_ids else None,
             # the committed-token buffer feeds drafters that read tokens and user processors / penalties
@@ -122,7 +123,6 @@ class Scheduler:
             cache=buffers.cache, tokens=tokens, controls=controls, kept_mask=KeptTreeMask(cap, max_len, target.float_dtype, dev),
             static_slots=buffers.static_slots, slot_ids=torch.arange(max_len + n_nodes, device=dev),  # slot / position ids, sliced
             draft_mode="lattice" if speculative and draft_mode == "lattice" else "marginal",
-            budget_ctl=budget_ctl if speculative and method != "chain" else None,
         )
         self.state.graphs = buffers.graphed(functools.partial(eager_tree_forward, self.state))
 

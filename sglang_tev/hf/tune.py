@@ -43,8 +43,7 @@ TUNE_BUDGETS = (0, 4, 8, 16, 32, 64)
 
 
 def _check(batch_sizes, temperatures, budgets, verifiers, max_new_tokens, repeats, n_prompts) -> None:
-    from ..verify import METHODS as VERIFIERS
-    from .runtime import MAX_BUDGET
+    from ..spec import MAX_BUDGET, VERIFIERS
 
     if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)!r}")

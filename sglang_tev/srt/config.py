@@ -46,8 +46,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-VERIFIERS = ("tev", "predraw", "sequential")
-"""Exact verifiers selectable with ``SGLANG_TEV_VERIFIER`` (``greedy`` is implied at T = 0)."""
 
 SUPPORTED_ATTENTION_BACKENDS = ("triton", "flashinfer")
 """CUDA backends that apply ``spec_info.custom_mask`` on TARGET_VERIFY, eager and in the target's
@@ -89,8 +87,8 @@ _UNSERVED = {
 def _combinations() -> str:
     return "; ".join(f"--device {d} with --attention-backend {' or '.join(b)}" for d, b in SUPPORTED_DEVICE_BACKENDS.items())
 
-MAX_TREE_SIZE = 1024
-"""N <= 1024: one CUDA block per request in SGLang's tree kernels and this project's budget cap."""
+from ..spec import SERVED_VERIFIERS as VERIFIERS  # noqa: E402  (SGLANG_TEV_VERIFIER's choices)
+from ..spec import SGLANG_MAX_TREE_SIZE as MAX_TREE_SIZE  # noqa: E402  (N <= 1024: SGLang's tree kernels)
 
 DEFAULT_TREE_SIZE = 65
 """N when ``--speculative-num-draft-tokens`` is not given: a budget of B = 64 drafted nodes."""

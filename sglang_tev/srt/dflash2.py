@@ -42,6 +42,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..spec import AUTO, resolve_draft_mode
 from .config import DFLASH2_MODES, read_dflash2_mode
 
 __all__ = [
@@ -154,7 +155,7 @@ def resolve_draft_serving(draft_model, draft_config, environ=None) -> DraftServi
             "TEV: SGLANG_TEV_DFLASH2_MODE=lattice needs a DFlash2 candidate selector "
             "(dflash_config.selector_rank / selector_top_k); this drafter has none"
         )
-    mode = requested or ("lattice" if selector is not None else "marginal")
+    mode = resolve_draft_mode(requested or AUTO, selector is not None, arg="SGLANG_TEV_DFLASH2_MODE")  # lattice checked above
     softcap = getattr(draft_config, "final_logit_softcapping", None)
     return DraftServing(
         mode=mode,

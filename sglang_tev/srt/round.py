@@ -26,7 +26,8 @@ import torch
 
 from ..draft.ddtree import build_ddtree_topk
 from ..draft.lattice import build_lattice_tree
-from ..sampling import GREEDY_EPS, SamplingParams
+from ..sampling import SamplingParams
+from ..spec import is_scalar_greedy
 from ..tree import DraftTree
 from ..verify import VerifyOutput, num_uniforms, verify_tree
 
@@ -332,7 +333,7 @@ def verify_batch(
     """
     b, n = tree.parents.shape
     logits = next_token_logits.view(b, n, -1)
-    if not isinstance(sampling.temperature, torch.Tensor) and sampling.temperature < GREEDY_EPS:
+    if is_scalar_greedy(sampling.temperature):
         method = "greedy"
     elif uniforms is None:
         uniforms = torch.rand(b, num_uniforms(method, n), dtype=torch.float64, device=tree.device, generator=generator)

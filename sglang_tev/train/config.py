@@ -23,6 +23,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from ..spec import MAX_BUDGET
+
 __all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig", "SelectorLossConfig", "RolloutConfig",
            "load_config", "parse_overrides", "config_to_dict", "schema_default", "RECIPES", "load_recipe"]
 
@@ -137,8 +139,8 @@ class ExitLossConfig:
     mode: Literal["none", "exit", "prefix", "reach", "exit_depth"] = _f("none")
     lambda_: float = _f(0.1, key="lambda", check=_ge(0.0))
     temperature: float = _f(1.0, check=_ge(0.0))
-    budget: int = _f(64, check=lambda v: None if 1 <= v <= 1024 else f"must be in [1, 1024] (the runtime's "
-                                                                     f"largest budget), got {v!r}")
+    budget: int = _f(64, check=lambda v: None if 1 <= v <= MAX_BUDGET else f"must be in [1, {MAX_BUDGET}] "
+                                                                           f"(the runtime's largest budget), got {v!r}")
     include_horizon_leaves: bool = _f(True)
     anchors_per_forward: int | None = _f(None, check=_ge(1))
     tree: Literal["auto", "marginal", "lattice"] = _f(
@@ -218,7 +220,7 @@ class TrainConfig:
     eval_every: int = _f(0, check=_ge(0))
     eval_windows: int = _f(32, check=_ge(1))
     eval_stride: int = _f(4, check=_ge(1))
-    eval_budget: int | None = _f(64, check=lambda v: None if 0 <= v <= 1024 else f"must be in [0, 1024], got {v!r}",
+    eval_budget: int | None = _f(64, check=lambda v: None if 0 <= v <= MAX_BUDGET else f"must be in [0, {MAX_BUDGET}], got {v!r}",
                                  doc="DDTree budget of the evaluation's expected block length 1 + C_p (null: off)")
     eval_temperatures: list[float] = _f(factory=lambda: [0.0, 1.0],
                                         doc="target temperatures of the evaluation's 1 + C_p")

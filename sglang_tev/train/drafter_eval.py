@@ -45,6 +45,7 @@ from typing import Sequence
 import torch
 
 from .atomic import atomic_write
+from ..spec import MAX_BUDGET
 from .exit import kv_reuse_forward
 # the tree metric (one pipeline with the trainer's evaluation); re-exported: its public home was here
 from .metrics import BREAKDOWN_KEYS, TreeBreakdown, exit_breakdown, laws_by_temperature, tree_breakdowns
@@ -282,8 +283,8 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
         raise ValueError("draft: give at least one drafter")
     if not prompts:
         raise ValueError("prompts: no prompts")
-    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 1024 for b in budgets):
-        raise ValueError(f"budgets must be ints in [0, 1024], got {list(budgets)}")
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BUDGET for b in budgets):
+        raise ValueError(f"budgets must be ints in [0, {MAX_BUDGET}], got {list(budgets)}")
     if not temperatures or any(not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0) for t in temperatures):
         raise ValueError(f"temperatures must be finite numbers >= 0, got {list(temperatures)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from ..draft.ddtree import build_ddtree
+from ..spec import TREE_MODES
 from ..draft.lattice import build_lattice_tree, selector_chain
 from ..tree import DraftTree, ExitLaw, additive_mask, exit_law
 
@@ -42,12 +43,9 @@ __all__ = ["EXIT_MODES", "TREE_MODES", "target_law", "exit_weights", "weights_fr
            "check_tree_support", "default_anchors_per_forward"]
 
 EXIT_MODES = ("exit", "prefix", "reach", "exit_depth")
-TREE_MODES = ("marginal", "lattice", "chain")
-"""How a drafter's block becomes a tree (the transformers runtime's draft modes, issue 28):
-``marginal`` = DDTree over the per-depth draft logits (a DFlash2 drafter's transformed marginals,
-its selector unused); ``lattice`` = the lattice DDTree over a DFlash2 selector's candidate lattice
-(:func:`sglang_tev.draft.lattice.build_lattice_tree`); ``chain`` = the greedy chain of depth H: the
-selector's greedy walk with a lattice, else the per-depth argmax."""
+# TREE_MODES (sglang_tev.spec): ``marginal`` = DDTree over the per-depth draft logits;
+# ``lattice`` = the lattice DDTree over a DFlash2 selector's candidate lattice; ``chain`` = the
+# greedy chain (the selector's greedy walk with a lattice, else the per-depth argmax).
 
 
 def target_law(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..draft.dflash import extract_context_features
 from ..hf.static_cache import cache_kwargs
 from ..tree import DraftTree, ExitLaw, exit_law
 from .data import TokenDataset, collate, valid_anchor_positions
+from ..spec import resolve_draft_mode
 from .exit import TREE_MODES, anchor_trees, iter_tree_logits, kv_reuse_forward, target_law
 from .losses import block_logits, depth_stats, stats_to_metrics
 
@@ -106,17 +107,12 @@ def laws_by_temperature(forward_rows, lm_head, last_hidden: torch.Tensor, tree: 
 def resolve_tree_mode(draft, mode: str = "auto") -> str:
     """The tree mode a drafter is measured / trained in: ``auto`` = ``lattice`` for a drafter with a
     DFlash2 candidate selector, else ``marginal``; otherwise ``mode`` itself (one of
-    :data:`~.exit.TREE_MODES`). Raises ``ValueError`` naming ``mode`` for an unknown one, or
+    :data:`~.exit.TREE_MODES`). Raises :class:`~sglang_tev.spec.SpecError` naming ``mode`` for an unknown one, or
     ``lattice`` on a drafter without a selector."""
     has_selector = getattr(draft.config, "selector_rank", None) is not None
-    if mode == "auto":
-        return "lattice" if has_selector else "marginal"
-    if mode not in TREE_MODES:
-        raise ValueError(f"mode: expected 'auto' or one of {TREE_MODES}, got {mode!r}")
-    if mode == "lattice" and not has_selector:
-        raise ValueError("mode: 'lattice' needs a DFlash2 drafter with a candidate selector "
-                         "(selector_rank / selector_top_k)")
-    return mode
+    return resolve_draft_mode(mode, has_selector, arg="mode", modes=("auto", *TREE_MODES),
+                              lattice_error="'lattice' needs a DFlash2 drafter with a candidate selector "
+                                            "(selector_rank / selector_top_k)")
 
 
 def draft_blocks(draft, embed, head, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_probs, validate_logits
+from ..spec import VERIFIERS as METHODS
+from ..spec import is_scalar_greedy, num_uniforms
 from ..tree import DraftTree, edge_probs, exit_law_from_edges
-from . import predraw as _predraw
-from . import sequential as _sequential
 from .greedy import HOST_WALK_MAX_NODES, greedy_on_host, greedy_verify
 from .output import VerifyOutput
 from .predraw import predraw_verify
@@ -17,7 +17,6 @@ from .tev import tev_verify_logits
 
 __all__ = ["verify_tree", "num_uniforms", "METHODS", "BACKENDS", "KERNEL_DTYPES", "triton_available"]
 
-METHODS = ("tev", "predraw", "sequential", "greedy")
 BACKENDS = ("auto", "torch", "triton")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -27,19 +26,6 @@ def triton_available() -> bool:
     from . import triton_tev
 
     return triton_tev.HAS_TRITON
-
-
-def num_uniforms(method: str, num_nodes: int) -> int:
-    """How many float64 uniforms per tree ``method`` consumes (see the module table)."""
-    if method == "tev":
-        return 2
-    if method == "predraw":
-        return _predraw.num_uniforms(num_nodes)
-    if method == "sequential":
-        return _sequential.num_uniforms(num_nodes)
-    if method == "greedy":
-        return 0
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 def verify_tree(
@@ -123,7 +109,7 @@ def verify_tree(
     if validate:
         validate_logits("target_logits", logits, tree.valid)
 
-    if _scalar_greedy(sampling.temperature):
+    if is_scalar_greedy(sampling.temperature):
         # Greedy law: every p_v is one-hot at the argmax, so each method is argmax-follow
         # (DESIGN §1) and uses no randomness; coverage is then the argmax path's depth.
         if logits.device.type == "cpu" and b * n <= HOST_WALK_MAX_NODES:
@@ -184,11 +170,6 @@ def _interpreting() -> bool:
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _scalar_greedy(temperature) -> bool:
-    """Host-side check (no sync): a Python-scalar temperature below 1e-5."""
-    return not isinstance(temperature, torch.Tensor) and temperature < GREEDY_EPS
 
 
 def _law(tree: DraftTree, probs: torch.Tensor):

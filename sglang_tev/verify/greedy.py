@@ -12,10 +12,6 @@ from ..tree import DraftTree
 from ._common import argmax_and_max, argmax_last, follow_tokens
 from .output import VerifyOutput, first_nonfinite
 
-NUM_UNIFORMS = 0
-"""Greedy uses no randomness."""
-
-
 def greedy_verify(tree: DraftTree, scores: torch.Tensor):
     """Follow the target argmax from the root; the bonus is the argmax at the exit node.
 

@@ -8,9 +8,7 @@ from ..tree import DraftTree
 from ._common import follow_tokens, inverse_cdf
 
 
-def num_uniforms(num_nodes: int) -> int:
-    """U = N: ``uniforms[:, v]`` draws R_v ~ p_v by inverse CDF (vocabulary-id order)."""
-    return num_nodes
+# Uniforms (spec.num_uniforms: U = N): ``uniforms[:, v]`` draws R_v ~ p_v by inverse CDF (vocabulary-id order).
 
 
 def predraw_verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor):

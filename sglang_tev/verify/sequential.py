@@ -8,10 +8,7 @@ from ..tree import DraftTree, edge_probs, residual_probs
 from ._common import follow, inverse_cdf
 
 
-def num_uniforms(num_nodes: int) -> int:
-    """U = N: ``uniforms[:, 0]`` draws the bonus from the exit node's residual (inverse CDF);
-    ``uniforms[:, c]`` (c >= 1) is the acceptance test of child node c."""
-    return num_nodes
+# Uniforms (spec.num_uniforms: U = N): ``uniforms[:, 0]`` draws the bonus from the exit node's residual (inverse CDF); ``uniforms[:, c]`` (c >= 1) is the acceptance test of child node c.
 
 
 def sequential_verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor):

@@ -17,9 +17,8 @@ CHUNK_ELEMENTS = 1 << 20
 of node rows: each pass over a chunk stays in cache, and the allocator reuses the chunk buffer
 instead of faulting in a fresh [b, N, V] one per call."""
 
-NUM_UNIFORMS = 2
-"""U = 2: ``uniforms[:, 0]`` draws the exit node V ~ w (inverse CDF in node-index order);
-``uniforms[:, 1]`` draws the bonus Y ~ p_V^res (inverse CDF in vocabulary-id order)."""
+# Uniforms (spec.num_uniforms: 2): ``uniforms[:, 0]`` draws the exit node V ~ w (inverse CDF in
+# node-index order); ``uniforms[:, 1]`` draws the bonus Y ~ p_V^res (inverse CDF in vocabulary-id order).
 
 
 def tev_verify(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor, law: ExitLaw | None = None):
