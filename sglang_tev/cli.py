@@ -23,14 +23,15 @@ import os
 import re
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 from . import __version__
 from .hf import assets as _assets  # no torch import
-from .spec import DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, TREE_MODES, VERIFIERS, SpecError, is_greedy
+from .paths import creatable_dir_problem
+from .spec import (DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, TREE_MODES, VERIFIERS, SpecError, check_budget,
+                   is_greedy)
 
 PROG = "sglang-tev"
 ASSETS_DIR = _assets.ASSETS_DIR  # the shipped model pair
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.set_defaults(command_parsers=sub.choices)  # each command's parser, for its error line
 
     g = sub.add_parser("generate", help="generate text for one prompt (stdout: the new text only) or a batch",
                        description="Generate with tree speculative decoding. stdout carries exactly the new "
@@ -537,9 +539,10 @@ def _check_generate_args(args) -> None:
     for flag, v in (("--frequency-penalty", args.frequency_penalty), ("--presence-penalty", args.presence_penalty)):
         if not -2.0 <= v <= 2.0:  # OpenAI / SGLang range (rejects NaN too)
             raise UsageError(flag, f"must be in [-2, 2], got {v}")
-    if args.budget != "auto" and args.budget > MAX_BUDGET:
-        raise UsageError("--budget", f"must be <= {MAX_BUDGET} (the builder holds budget x min(budget, V) "
-                                     f"candidates), got {args.budget}")
+    try:
+        check_budget(args.budget)  # the runtime's own check, before any model loads
+    except SpecError as e:
+        raise UsageError("--budget", e.message) from None
     _at_least("--max-new-tokens", args.max_new_tokens, 1)
     if not (args.temperature >= 0) or math.isinf(args.temperature):
         raise UsageError("--temperature", f"must be a finite number >= 0, got {args.temperature}")
@@ -763,6 +766,11 @@ def cmd_bench(args, argv: list[str]) -> int:
         )
     except ValueError as e:
         raise _usage_from(e, "--dataset") from None
+    except KeyboardInterrupt:
+        if out.is_dir() and not (out / "results.json").exists() and any(out.iterdir()):
+            print(f"[{PROG}] {out} holds a partial run (no results.json; bench does not resume): rerun with "
+                  "--overwrite or another --output", file=sys.stderr)
+        raise
     print(format_table(records))
     print(f"[{PROG}] wrote {out / 'results.json'}, outputs.jsonl, meta.json, tau_hist.png, stage_ms.png",
           file=sys.stderr)
@@ -861,10 +869,9 @@ def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()
         raise UsageError(arg, f"cannot use {str(out)[:80]!r}: {e.strerror or e}") from None
     # probe that the folder can be made, before minutes of model loading (a read-only or virtual
     # filesystem such as /proc fails only at the first write otherwise)
-    try:
-        tempfile.TemporaryDirectory(dir=base, prefix=".sglang-tev-probe-").cleanup()
-    except OSError as e:
-        raise UsageError(arg, f"cannot create folders under {base} ({e.strerror or e})") from None
+    problem = creatable_dir_problem(out)
+    if problem is not None:
+        raise UsageError(arg, problem)
     try:  # a name below base too long for its filesystem fails only when the run creates it
         name_max = os.pathconf(base, "PC_NAME_MAX")
     except (OSError, ValueError):
@@ -987,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
-        sub = parser._subparsers._group_actions[0].choices.get(args.command, parser)  # for the error line
+        sub = args.command_parsers.get(args.command, parser)  # for the error line
         if unknown:  # named by the subcommand, as its other errors are
             sub.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2, one line printed)

@@ -203,7 +203,8 @@ BAD = [
     (["--dataset", "{missing}"], "--dataset", "nope.jsonl: no such file"),
     (["--dataset", "{badline}"], "--dataset", "bad.jsonl:2: the line has neither"),
     (["--dataset", "{notjsonl}"], "--dataset", "'humaneval' or a .jsonl file"),
-    (["--dataset", "{alllong}"], "--dataset", "none of the 1 prompts fits the model's 512 positions"),
+    (["--dataset", "{alllong}"], "--dataset", "none of the 1 prompts is usable: each is empty or longer than the model's 512"),
+    (["--dataset", "{allempty}", "--no-chat-template"], "--dataset", "none of the 1 prompts is usable: each is empty"),
     (["--target", "{missing}"], "--target", "no model directory"),
     (["--budgets", "2000"], "--budgets", "budgets must be <= 1024"),
     (["--methods", ""], "--methods", "give at least one"),
@@ -221,7 +222,9 @@ def test_bench_bad_input_exits_2_naming_the_argument(capsys, tmp_path, pair, jso
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "x " * 400}) + "\n")
     (tmp_path / "a_file").write_text("x")
-    subst = {"{missing}": str(tmp_path / "nope.jsonl"), "{badline}": str(bad), "{notjsonl}": "mtbench",
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"prompt": ""}) + "\n")
+    subst = {"{allempty}": str(empty), "{missing}": str(tmp_path / "nope.jsonl"), "{badline}": str(bad), "{notjsonl}": "mtbench",
              "{alllong}": str(long), "{under_file}": str(tmp_path / "a_file" / "sub")}
     args = [subst.get(a, a) for a in args]
     opts = {"--target": str(pair[0]), "--draft": str(pair[1]), "--dataset": str(jsonl), "--output": str(tmp_path / "o"),

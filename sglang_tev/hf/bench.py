@@ -443,7 +443,8 @@ def run_bench(
     modes = _draft_modes(generator, draft_modes)
     kept, skipped = _encode_all(generator, prompts, chat_template, log)
     if not kept:
-        raise ValueError(f"prompts: none of the {len(prompts)} prompts fits the model's {generator.max_positions} positions")
+        raise ValueError(f"prompts: none of the {len(prompts)} prompts is usable: each is empty or longer than the "
+                         f"model's {generator.max_positions} positions (the warnings above say which)")
     configs = bench_configs(methods, budgets, temperatures, modes)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         import yaml
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        if cfg.warmup_ratio is None and cfg.warmup_steps is None:  # null means the default, say which
+            print(f"# warmup: warmup_ratio and warmup_steps unset -> {cfg.warmup} steps (ratio 0.04 of max_steps)")
         return 0
 
     from .trainer import train

@@ -23,6 +23,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from ..paths import creatable_dir_problem
 from ..spec import MAX_BUDGET
 
 __all__ = ["ConfigError", "TrainConfig", "DraftArchConfig", "LossConfig", "ExitLossConfig", "SelectorLossConfig", "RolloutConfig",
@@ -209,7 +210,8 @@ class TrainConfig:
     min_lr_ratio: float = _f(0.1, check=_in01)
     weight_decay: float = _f(0.0, check=_ge(0.0))
     betas: list[float] = _f(factory=lambda: [0.9, 0.95])
-    warmup_ratio: float | None = _f(None, check=_in01_open)
+    warmup_ratio: float | None = _f(None, check=_in01_open,
+                                   doc="linear warmup as a share of max_steps (null: 0.04, unless warmup_steps is set)")
     warmup_steps: int | None = _f(None, check=_ge(0))
     grad_clip: float | None = _f(1.0, check=_gt(0.0))
     seed: int = _f(0, check=_ge(0))
@@ -257,6 +259,9 @@ class TrainConfig:
             raise ConfigError("loss", "token_weight and distill_weight are both 0: nothing to train")
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ConfigError("output_dir", f"{self.output_dir!r} exists and is not a directory")
+        problem = creatable_dir_problem(self.output_dir)  # before any data is read or tokenized
+        if problem is not None:
+            raise ConfigError("output_dir", problem)
         if self.resume not in ("auto", "never") and not os.path.isdir(self.resume):
             raise ConfigError("resume", f"must be 'auto', 'never' or a checkpoint directory; "
                                         f"{self.resume!r} is not a directory")

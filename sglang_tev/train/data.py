@@ -138,7 +138,7 @@ def _load_jsonl(path: Path, seq_len: int, tokenizer, key: str) -> TokenDataset:
         elif "text" in row:
             if not isinstance(row["text"], str):
                 raise ValueError(f"{key}: line {lineno}: 'text' must be a string")
-            ids = list(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
+            ids = list(tokenizer(row["text"], add_special_tokens=False, verbose=False)["input_ids"])  # packed later: no length warning
             if eos is not None:
                 ids.append(eos)
             mask = [True] * len(ids)
@@ -153,7 +153,7 @@ def _load_jsonl(path: Path, seq_len: int, tokenizer, key: str) -> TokenDataset:
                 raise ValueError(f"{key}: line {lineno}: chat 'messages' need a tokenizer "
                                  "with a chat template")
             text, spans = _assistant_spans(tokenizer, msgs, key, lineno)
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
             ids = list(enc["input_ids"])
             mask = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
         # a document is cut into windows of seq_len; a conversation / rollout is truncated to one

@@ -103,7 +103,7 @@ def read_prompts(path: str | os.PathLike, tokenizer, chat_template: bool = True,
                                                  tokenize=False, add_generation_prompt=True)
         else:
             text = row["prompt"]
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if ids:
             out.append((text, ids))
         if limit is not None and len(out) >= limit:
