@@ -151,14 +151,23 @@ class GroupedCausalConv(nn.Module):
 
 def transform_logits(logits: torch.Tensor, output_multiplier: float = 1.0,
                      final_logit_softcapping: float | None = None) -> torch.Tensor:
-    """``logits · output_multiplier``, then ``c · tanh(logits / c)`` for ``c =
-    final_logit_softcapping`` (None: no cap). Any shape; float in, same dtype out (new tensor
-    unless both are neutral, then ``logits`` itself). Reference: ``dflash/model.py``
-    ``DFlashDraftModel.compute_logits`` (full vocabulary)."""
+    """DFlash2's logit transform: ``logits · output_multiplier``, then ``c · tanh(logits / c)`` for
+    ``c = final_logit_softcapping`` (None: no cap). The one implementation, for the transformers
+    runtime, the trainer and the SGLang plugin.
+
+    Dtypes: computed and returned in float32 for float32 / bfloat16 / float16 input (a half
+    head's logits are upcast first), float64 for float64. Any shape. Returns ``logits`` itself
+    when both are neutral and it is already in that dtype, else a new tensor; ``-inf`` stays
+    ``-inf`` without a softcap and becomes ``-c`` with one. References: z-lab ``dflash`` 0.1.0
+    ``DFlashDraftModel.compute_logits`` (``dflash/model.py:599-605``); SGLang
+    ``DFlash2DraftModel._transform_unary_logits`` (``srt/models/dflash.py:1284-1291``)."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
     if output_multiplier != 1.0:
-        logits = logits * output_multiplier
+        logits = logits * float(output_multiplier)
     if final_logit_softcapping is not None:
-        logits = torch.tanh(logits / final_logit_softcapping) * final_logit_softcapping
+        c = float(final_logit_softcapping)
+        logits = torch.tanh(logits / c) * c
     return logits
 
 

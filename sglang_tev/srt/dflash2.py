@@ -42,6 +42,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..draft.dflash2 import transform_logits  # the one DFlash2 logit transform (float32 out)
 from ..spec import AUTO, resolve_draft_mode
 from .config import DFLASH2_MODES, read_dflash2_mode
 
@@ -194,19 +195,6 @@ def check_draft_config(hf_config, environ=None) -> None:
 
 DFLASH2_ARCHITECTURES = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "MiniMaxDFlash2DraftModel")
 """Architectures SGLang 0.5.23 builds a ``CandidateSelector`` for (``srt/models/dflash.py:1264-1324``)."""
-
-
-def transform_logits(logits: torch.Tensor, output_multiplier: float, final_logit_softcapping: Optional[float]) -> torch.Tensor:
-    """DFlash2's logit transform in float32: ``x * output_multiplier``, then ``c * tanh(x / c)``
-    with ``c = final_logit_softcapping`` when set (z-lab ``dflash`` 0.1.0 ``compute_logits``,
-    ``dflash/model.py:599-605``; SGLang ``DFlash2DraftModel._transform_unary_logits``,
-    ``srt/models/dflash.py:1284-1291``, the same operations). Returns a new float32 tensor of
-    ``logits``' shape; ``-inf`` stays ``-inf`` without a softcap and becomes ``-c`` with one."""
-    out = logits.float() * float(output_multiplier) if output_multiplier != 1.0 else logits.float().clone()
-    if final_logit_softcapping is not None:
-        c = float(final_logit_softcapping)
-        out = torch.tanh(out / c) * c
-    return out
 
 
 def transformed_candidate_topk(
