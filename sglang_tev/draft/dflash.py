@@ -222,7 +222,7 @@ class DFlashConfig:
     non-default RoPE, attention/MLP bias, dropout, an activation other than SiLU) unless its value
     is the neutral one, and for any key it does not know.
 
-    DFlash2 (issue 28): with ``architectures`` one of ``DFlash2DraftModel``,
+    DFlash2: with ``architectures`` one of ``DFlash2DraftModel``,
     ``DFlash2BeamDraftModel``, ``MiniMaxDFlash2DraftModel`` (the last two are aliases, as in SGLang
     0.5.23) the keys ``conv_kernel_size`` + ``conv_group_size`` (together; 0/absent = no conv; the
     group size divides ``hidden_size``), ``selector_rank`` + ``selector_top_k`` (together,
@@ -249,7 +249,7 @@ class DFlashConfig:
     max_position_embeddings: int = 32768
     vocab_size: int | None = None   # the target's (padded) vocabulary; informational for v1
     extra: dict = field(default_factory=dict, compare=False)  # passthrough bookkeeping keys
-    # DFlash2 (issue 28): only with a DFLASH2_ARCHITECTURES architecture; see docs/runtime.md
+    # DFlash2: only with a DFLASH2_ARCHITECTURES architecture; see docs/runtime.md
     architecture: str = ARCHITECTURE
     conv_kernel_size: int | None = None   # taps of the grouped dynamic causal conv (with group size)
     conv_group_size: int | None = None    # channels per conv group; divides hidden_size
@@ -759,7 +759,7 @@ class DFlashDraftModel(nn.Module):
     ``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
     ``fc.weight (H, n*H)``, ``hidden_norm.weight``, ``norm.weight``.
 
-    DFlash2 (``config.is_dflash2``, issue 28) adds ``layers.{i}.{attention,mlp}_conv.base_kernel
+    DFlash2 (``config.is_dflash2``) adds ``layers.{i}.{attention,mlp}_conv.base_kernel
     (2, taps, H)`` and ``layers.{i}.{attention,mlp}_conv.kernel_projection.weight (2*taps*G, H)``
     when ``conv_kernel_size`` is set, and ``candidate_selector.{predecessor,successor}_codebook
     (V, r)`` + ``candidate_selector.hidden_projection.weight (r, H)``

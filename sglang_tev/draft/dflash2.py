@@ -1,6 +1,6 @@
 """DFlash2 pieces: grouped dynamic causal convolution, logit transform, candidate selector.
 
-Issue 28, first part. Written from the math of two references (read, not copied):
+Written from the math of two references (read, not copied):
 
 * z-lab's PyPI ``dflash`` 0.1.0, ``dflash/model.py``: ``_grouped_dynamic_convolve``,
   ``GroupedDynamicCausalConv``, ``Qwen3DFlashDecoderLayer.forward`` (the conv wrapped around

@@ -1,4 +1,4 @@
-"""Draft trees over a DFlash2 candidate lattice (issue 28 item 2), independent of any model.
+"""Draft trees over a DFlash2 candidate lattice, independent of any model.
 
 A DFlash2 drafter ends in a candidate selector (z-lab ``dflash`` 0.1.0 ``CandidateSelector.select``,
 ``dflash/model.py:515-547``; SGLang 0.5.23 ``srt/models/dflash.py:1142-1261``, ``build_lattice``

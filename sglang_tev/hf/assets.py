@@ -22,7 +22,7 @@ SHIPPED_PAIR = "tiny-code"
 
 
 DEFAULT_DRAFT = "draft2"
-"""The default drafter of the shipped pair: the DFlash2 drafter (issue 28; it beat the DFlash drafter
+"""The default drafter of the shipped pair: the DFlash2 drafter (it beat the DFlash drafter
 ``draft/`` by the rule stated in docs/tiny-code.md, "Stage draft2"). ``draft/`` (DFlash, ExitTrain-tuned)
 and ``draft-base/`` ship beside it."""
 

@@ -1,5 +1,4 @@
-"""``budget="auto"``: each round's tree size from the exit law of past rounds and measured costs
-(issue 29).
+"""``budget="auto"``: each round's tree size from the exit law of past rounds and measured costs.
 
 What a round gains. For a best-first tree (DDTree, the lattice DDTree) the first ``B'`` nodes in
 pop order ARE the budget-``B'`` tree, and the target reach probability ``P(v)`` of a node (paper

@@ -2,7 +2,7 @@
 
 For each temperature T (DESIGN §5): ``autoregressive`` once, ``chain`` once (the linear DFlash
 block, verified by TEV), and DDTree verified by ``tev`` / ``predraw`` / ``sequential`` for every
-budget B; ``chain`` and the DDTree methods once per draft mode in ``draft_modes`` (issue 28: a
+budget B; ``chain`` and the DDTree methods once per draft mode in ``draft_modes`` (a
 DFlash2 drafter's ``lattice`` / ``marginal`` modes side by side; ``auto`` by default, see
 :data:`~sglang_tev.hf.runtime.DRAFT_MODES`). Every configuration decodes every prompt with the
 same seed (``seed + prompt index``) through :meth:`SpeculativeGenerator.generate`.

@@ -1,5 +1,5 @@
 """Generation controls applied at every tree node with that node's own prefix, and the round's
-finiteness check (issue 11 items 2 and 5).
+finiteness check.
 
 Node v of a row's tree predicts the token after ``committed + path(v)``, where ``path(v)`` are the
 drafted tokens on the way from the root to v (v included, root excluded: the root is already

@@ -18,7 +18,7 @@ and writes both with one scatter per buffer (context padding that falls on the b
 sent to the buffers' last slot, which is never read, so no read slot is a target twice).
 RoPE cos/sin come from a table built per generation call, as does the MASK token's embedding.
 
-DFlash2 (issue 28): the conv runs in every layer over the block and the logit transform on the
+DFlash2: the conv runs in every layer over the block and the logit transform on the
 full vocabulary; :meth:`StaticDFlashDrafter.draft_rows` returns those logits (the "marginal"
 draft mode), :meth:`StaticDFlashDrafter.draft_lattice_rows` the same forward's candidate-selector
 lattice (the "lattice" mode: lattice trees and the selector chain, ``hf/round.py``).

@@ -2,7 +2,7 @@
 the ragged prefill's causal masks, the tree masks of a round's forward, their format for the
 attention implementation, and the full-attention tree mask kept in one buffer across rounds.
 
-Attention windows (DESIGN §5; issue 11 item 1): the target's ``layer_types`` (``full_attention``,
+Attention windows (DESIGN §5): the target's ``layer_types`` (``full_attention``,
 ``sliding_attention``) and ``sliding_window`` (a query at position q sees keys at positions p with
 ``q - p < sliding_window``, as transformers' ``sliding_window_overlay``) are applied in the mask
 per layer type; the cache keeps every position for every layer (the mask hides what a window

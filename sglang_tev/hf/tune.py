@@ -1,5 +1,4 @@
-"""``sglang-tev tune``: the tokens/s-optimal budget (and verifier) per batch size on this machine
-(issue 29).
+"""``sglang-tev tune``: the tokens/s-optimal budget (and verifier) per batch size on this machine.
 
 For each batch size and temperature, every budget of the grid is decoded on the same prompts with
 the same model pair, interleaved (one sweep over the budgets, then the next sweep: load that

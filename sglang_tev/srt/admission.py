@@ -34,7 +34,7 @@ __all__ = [
 REFUSED_OPTIONS: dict = {}
 """Sampling options TEV cannot serve exactly, ``{name: (no-op value, reason)}``; a request setting
 one to anything but its no-op value is refused. Empty: penalties and ``min_new_tokens``, the last
-entries, are served since issue 25."""
+entries, are served."""
 
 _TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 _installed = False

@@ -1,4 +1,4 @@
-"""TEV's draft head for DFlash2 checkpoints in SGLang 0.5.23 (issue 28 item 3; imports sglang only
+"""TEV's draft head for DFlash2 checkpoints in SGLang 0.5.23 (imports sglang only
 inside functions).
 
 SGLang runs a DFlash2 checkpoint (``architectures`` ``DFlash2DraftModel`` or its aliases

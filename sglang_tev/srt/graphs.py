@@ -41,7 +41,7 @@ appends those rows' mask segments (all True, as DFLASH's ``generate_attn_arg_pre
 Randomness: nothing here draws random numbers; the verifier's uniforms are drawn eagerly by the
 worker after the replays (a captured draw would repeat the same numbers on every replay).
 
-Written, unverified on a GPU (no GPU in this project): ``scripts/sglang_smoke.py`` is the check.
+``scripts/sglang_smoke.py`` is the GPU check (its status: docs/sglang.md).
 """
 
 from __future__ import annotations

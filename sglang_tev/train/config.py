@@ -93,7 +93,7 @@ class DraftArchConfig:
     num_key_value_heads: int | None = _f(None, check=_ge(1))
     head_dim: int | None = _f(None, check=_ge(2))
     init_std: float = _f(0.02, check=_gt(0.0), doc="std of the normal init of Linear weights")
-    # DFlash2 (issue 28): checked by DFlashConfig (the same rules as loading a checkpoint)
+    # DFlash2: checked by DFlashConfig (the same rules as loading a checkpoint)
     architecture: Literal["DFlashDraftModel", "DFlash2DraftModel"] = _f(
         "DFlashDraftModel", doc="DFlash2DraftModel: grouped conv, logit transform, candidate selector")
     conv_kernel_size: int | None = _f(None, check=_ge(1), doc="DFlash2 conv taps (with conv_group_size)")
