@@ -12,11 +12,12 @@ Letters, as the code and docs use them:
 ``V``  vocabulary size of the target (the drafter shares the target's head)
 ``K``  block size of the DFlash drafter: one root + ``K - 1`` mask slots per draft forward
 ``B``  budget: non-root nodes of a DDTree (0 = a plain decoding step)
-``D``  drafted depths a round uses, ``D <= K - 1`` (the draft rows ``[b, D, .]``)
+``H``  drafted depths (draft rows ``[b, H, .]``, row j = depth j + 1), ``H <= K - 1``
+``D``  a tree's depth: its deepest node (``DraftTree.max_depth``), ``D <= min(B, H)``
 ``k``  per-depth top-k candidates the builder reads
 =====  =================================================================================
 
-``hidden size`` is always spelled out (``hidden``), never a letter.
+The hidden size has no letter: it is spelled ``hidden`` (``[b, S, hidden]``).
 """
 
 from __future__ import annotations

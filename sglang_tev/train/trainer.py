@@ -300,7 +300,7 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def _features(self, ids: torch.Tensor, keep_kv: bool = False):
-        """(context features ``[b, S, n*H]``, final-normed last hidden state ``[b, S, H]``, the
+        """(context features ``[b, S, n*hidden]``, final-normed last hidden state ``[b, S, hidden]``, the
         sequence's KV cache when ``keep_kv`` else None) of one frozen target forward."""
         from transformers import DynamicCache
 
@@ -314,9 +314,9 @@ class Trainer:
         """The target's logits for the label of slot k of each block: position ``a + k - 1``
         (teacher-forced), ``[b, n, K-1, V]``. Positions past the sequence are clamped; their
         blocks have ``keep = False`` and weight 0."""
-        b, S, H = last_hidden.shape
+        b, S, hidden = last_hidden.shape
         pos = (anchors[..., None] + torch.arange(self.block_size - 1, device=anchors.device)).clamp_max(S - 1)
-        h = last_hidden.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, H))
+        h = last_hidden.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, hidden))
         return self.lm_head(h).reshape(*pos.shape, -1)
 
     def _dense_terms(self, logits, labels, anchors, keep, last_hidden, amp, ce=None, hidden=None, ids=None):
