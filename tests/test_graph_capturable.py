@@ -20,10 +20,9 @@ Evidence on CPU for issue 27 item 4 (notes/sglang-0.5.23-graphs-overlap-dflash2.
    host-to-device copy such as ``torch.as_tensor(0.7, device=dev)``; the counter does.
 
 The device path is forced (:func:`device_path`): on CPU the code takes host shortcuts that are
-cheaper there and are not what runs on a GPU: the DDTree heap builder (``ddtree._use_heap``), the
-exact ``max_depth`` read back by the level-wise builder (``ddtree._exact_max_depth``), the host
-walk of greedy verification (``verify.dispatch.HOST_WALK_MAX_NODES``) and NumPy's argmax
-(``verify._common._numpy_view``). :func:`test_the_checks_fail_on_the_cpu_host_path` shows each
+cheaper there and are not what runs on a GPU (``sglang_tev.execution``): the DDTree heap builder,
+the exact ``max_depth`` read back by the level-wise builder, the host walk of greedy verification
+and NumPy's argmax. :func:`test_the_checks_fail_on_the_cpu_host_path` shows each
 check fails on those host paths, so neither check is vacuous.
 
 Static variants compiled (host-side settings pick one graph each, as CUDA-graph capture would
@@ -88,21 +87,30 @@ def eager_without_data_dependent_ops(gm: torch.fx.GraphModule, example_inputs):
     return gm.forward
 
 
-def test_the_patched_choosers_are_what_a_device_chooses():
-    """device_path patches each chooser to the value it takes for a non-CPU tensor (meta here)."""
+def test_the_device_policy_is_what_a_device_chooses():
+    """DEVICE_PATHS makes every chooser on CPU tensors take what it takes for a non-CPU tensor
+    (meta here); the default policy takes the CPU shortcuts."""
+    from sglang_tev import execution
     from sglang_tev.draft import ddtree
     from sglang_tev.verify import _common
 
-    dev = torch.empty(2, 3, device="meta")
-    assert ddtree._use_heap("auto", dev) is False and ddtree._use_heap("auto", torch.empty(1)) is True
+    dev, cpu = torch.empty(2, 3, device="meta"), torch.zeros(2)
+    assert ddtree._use_heap("auto", dev) is False and ddtree._use_heap("auto", cpu) is True
     assert ddtree._exact_max_depth(dev.device) is False and ddtree._exact_max_depth(torch.device("cpu")) is True
-    assert _common._numpy_view(dev) is None and _common._numpy_view(torch.zeros(2)) is not None
+    assert _common._numpy_view(dev) is None and _common._numpy_view(cpu) is not None
+    with execution.use(execution.DEVICE_PATHS):
+        assert ddtree._use_heap("auto", cpu) is False and ddtree._use_heap("heap", cpu) is True
+        assert ddtree._exact_max_depth(torch.device("cpu")) is False
+        assert _common._numpy_view(cpu) is None
+        assert execution.current().host_walk_max_nodes < 0
+    assert execution.current() == execution.CPU_SHORTCUTS
     # the greedy host walk is taken only for CPU logits (verify/dispatch.py): no size bound applies elsewhere
     import inspect
 
     from sglang_tev.verify import dispatch
 
-    assert 'logits.device.type == "cpu" and b * n <= HOST_WALK_MAX_NODES' in inspect.getsource(dispatch.verify_tree)
+    assert 'logits.device.type == "cpu" and b * n <= execution.current().host_walk_max_nodes' in inspect.getsource(
+        dispatch.verify_tree)
 
 
 def compiled(fn):

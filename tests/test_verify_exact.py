@@ -264,7 +264,7 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
     VerifyOutput.host() reads the same decision and row maxima from either."""
     import dataclasses
 
-    import sglang_tev.verify.dispatch as dispatch_mod
+    from sglang_tev import execution
     import sglang_tev.verify.greedy as greedy_mod
 
     if walk == "numpy":
@@ -281,10 +281,10 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
     greedy = SamplingParams(temperature=0.0)
 
     def both(x):
-        monkeypatch.setattr(dispatch_mod, "HOST_WALK_MAX_NODES", 4096)
-        h = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
-        monkeypatch.setattr(dispatch_mod, "HOST_WALK_MAX_NODES", 0)
-        d = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
+        with execution.use(host_walk_max_nodes=4096):
+            h = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
+        with execution.use(host_walk_max_nodes=0):
+            d = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
         assert getattr(h, "_host", None) is not None and getattr(d, "_host", None) is None
         return h, d
 

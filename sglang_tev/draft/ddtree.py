@@ -32,6 +32,7 @@ import heapq
 
 import torch
 
+from .. import execution
 from ..tree import DraftTree
 from ..native import HMAX, native_builder
 
@@ -151,7 +152,8 @@ def build_ddtree_topk(
 
 
 def _use_heap(impl: str, x: torch.Tensor) -> bool:
-    return impl == "heap" or (impl == "auto" and x.device.type == "cpu")
+    """The host heap: asked for, or ``auto`` on CPU tensors while the execution policy allows it."""
+    return impl == "heap" or (impl == "auto" and x.device.type == "cpu" and execution.current().heap_builder)
 
 
 def _host_options(b: int, H: int, depth_limit, leaf_tokens) -> tuple[list[int], list[set]]:
@@ -465,8 +467,8 @@ def _levels_tree(score, valid, depth, parent, tok, root_tokens, H: int) -> Draft
 def _exact_max_depth(device: torch.device) -> bool:
     """Whether :func:`_build_levels` reads the trees' exact ``max_depth`` back (one host read: on
     CPU, where it costs nothing and later loops over depths get shorter) or uses the static bound
-    min(H, budget) (elsewhere: no host sync). Tests of the device path patch this to False."""
-    return device.type == "cpu"
+    min(H, budget) (elsewhere: no host sync), as :mod:`sglang_tev.execution` says."""
+    return device.type == "cpu" and execution.current().exact_max_depth
 
 
 def _best_stable(score: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,7 @@ def build_lattice_tree(
     if budget == 0 or D == 0 or K == 0:
         tree = _root_only(root_tokens)
         return tree if budget == 0 else _pad_tree(tree, budget)
-    if _dd._use_heap(impl, trans_logq):  # through the module: gpu_code_paths() patches it there
+    if _dd._use_heap(impl, trans_logq):
         return _lattice_heap(candidate_ids, trans_logq, budget, root_tokens, depth_limit, leaf_tokens)
     lq, cidx = _row_order(trans_logq, candidate_ids)
     return _lattice_levels(candidate_ids, lq, cidx, budget, root_tokens, depth_limit, leaf_tokens)

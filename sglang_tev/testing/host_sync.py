@@ -271,19 +271,9 @@ def gpu_code_paths():
     """Run the round's CUDA code paths on CPU tensors, so a CPU test counts or compiles what a GPU
     runs: the level-wise DDTree builder (not the CPU heap) with its static depth bound (not the
     exact max-depth read), the verifier's device walk (not the CPU host walk), ``torch.argmax``
-    (not the NumPy view). Each is the one chooser the code consults
-    (``draft.ddtree._use_heap`` / ``_exact_max_depth``, ``verify.dispatch.HOST_WALK_MAX_NODES``,
-    ``verify._common._numpy_view``); restored on exit. Results are unchanged (the paths are tested
-    equal); only speed on CPU and the host reads differ."""
-    from ..draft import ddtree
-    from ..verify import _common, dispatch
+    (not the NumPy view): :data:`sglang_tev.execution.DEVICE_PATHS`, restored on exit. Results are
+    unchanged (the paths are tested equal); only speed on CPU and the host reads differ."""
+    from .. import execution
 
-    saved = (ddtree._use_heap, ddtree._exact_max_depth, dispatch.HOST_WALK_MAX_NODES, _common._numpy_view)
-    ddtree._use_heap = lambda impl, x: impl == "heap"
-    ddtree._exact_max_depth = lambda device: False
-    dispatch.HOST_WALK_MAX_NODES = -1
-    _common._numpy_view = lambda x: None
-    try:
+    with execution.use(execution.DEVICE_PATHS):
         yield
-    finally:
-        ddtree._use_heap, ddtree._exact_max_depth, dispatch.HOST_WALK_MAX_NODES, _common._numpy_view = saved

@@ -9,7 +9,8 @@ from ..sampling import GREEDY_EPS, LogitsProcessor, SamplingParams, processed_pr
 from ..spec import VERIFIERS as METHODS
 from ..spec import is_scalar_greedy, num_uniforms
 from ..tree import DraftTree, edge_probs, exit_law_from_edges
-from .greedy import HOST_WALK_MAX_NODES, greedy_on_host, greedy_verify
+from .. import execution
+from .greedy import greedy_on_host, greedy_verify
 from .output import VerifyOutput
 from .predraw import predraw_verify
 from .sequential import sequential_verify
@@ -112,7 +113,7 @@ def verify_tree(
     if is_scalar_greedy(sampling.temperature):
         # Greedy law: every p_v is one-hot at the argmax, so each method is argmax-follow
         # (DESIGN §1) and uses no randomness; coverage is then the argmax path's depth.
-        if logits.device.type == "cpu" and b * n <= HOST_WALK_MAX_NODES:
+        if logits.device.type == "cpu" and b * n <= execution.current().host_walk_max_nodes:
             return greedy_on_host(tree, logits)
         exit_node, bonus = greedy_verify(tree, logits)
         accept_len = torch.gather(tree.depth, 1, exit_node.unsqueeze(1)).squeeze(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import execution
 from ..native import native
 from ..tree import DraftTree
 from ._common import argmax_and_max, argmax_last, follow_tokens
@@ -29,8 +30,8 @@ def greedy_verify(tree: DraftTree, scores: torch.Tensor):
     return exit_node, bonus
 
 
-HOST_WALK_MAX_NODES = 4096
-"""Greedy verification of CPU trees with at most this many nodes in all (b x N) walks the tree on
+HOST_WALK_MAX_NODES = execution.CPU_SHORTCUTS.host_walk_max_nodes
+"""(The default of :attr:`sglang_tev.execution.ExecutionPaths.host_walk_max_nodes`.) Greedy verification of CPU trees with at most this many nodes in all (b x N) walks the tree on
 the host, as the DDTree reference does: one argmax pass, then a dictionary walk over the
 tree's lists. Larger batches (and every other device) use the tensor walk
 (:func:`~sglang_tev.verify.greedy.greedy_verify`); both give equal outputs."""
