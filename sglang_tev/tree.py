@@ -192,9 +192,10 @@ class DraftTree:
         read once and cached; host-side builders fill the cache when they create the tree, so
         host-side verifiers and runtimes read it without a transfer. The tensors are the truth:
         do not modify them after calling this."""
+        # the cache lives outside the dataclass fields (a traced tree stays a plain dataclass)
         cached = getattr(self, "_host", None)
-        if cached is None and getattr(self, "_host_fn", None) is not None:
-            cached = self._host_fn()  # a builder's cheaper reader of the same lists
+        if cached is None and getattr(self, "_host_reader", None) is not None:
+            cached = self._host_reader()  # a builder's cheaper reader of the same lists
             object.__setattr__(self, "_host", cached)
         if cached is None:
             n_valid = self.valid.sum(1).tolist()
@@ -202,6 +203,17 @@ class DraftTree:
             cached = ([p[:m] for p, m in zip(par, n_valid)], [t[:m] for t, m in zip(tok, n_valid)])
             object.__setattr__(self, "_host", cached)
         return cached
+
+    def with_host_lists(self, lists=None, *, reader=None) -> "DraftTree":
+        """Attach the host lists :meth:`host` returns, so no transfer reads them later: ``lists`` =
+        (parents, tokens) of each tree's valid nodes (as :meth:`host`), or ``reader()`` returning
+        them on first use (a builder that holds them in a cheaper form). The caller vouches that
+        they equal the tensors. Returns ``self``."""
+        if (lists is None) == (reader is None):
+            raise ValueError("with_host_lists: give exactly one of lists and reader")
+        object.__setattr__(self, "_host", lists)  # a cache, not a field: frozen stays true of the fields
+        object.__setattr__(self, "_host_reader", reader)
+        return self
 
     def path(self, node: torch.Tensor) -> torch.Tensor:
         """Root-to-node paths.

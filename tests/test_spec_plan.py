@@ -168,3 +168,28 @@ def test_auto_budget_cuts_the_block_and_feeds_back():
     assert p.budgets == (32,) and p.draft_depth == 15  # K - 1 caps the depth
     with pytest.raises(SpecError, match="grid"):
         AutoBudget(type("C", (), {"grid": ()})())
+
+
+# ----------------------------------------------------------------------------- public seams
+def test_draft_tree_with_host_lists():
+    tree = _tree(3)
+    assert tree.host() == ([[-1, 0, 1]], [[0, 1, 2]])  # read from the tensors
+    calls = []
+    lists = ([[-1, 0, 1]], [[0, 1, 2]])
+    t2 = _tree(3).with_host_lists(reader=lambda: calls.append(1) or lists)
+    assert t2.host() is lists and t2.host() is lists and calls == [1]  # read once, cached
+    t3 = _tree(3)
+    assert t3.with_host_lists(lists) is t3 and t3.host() is lists
+    with pytest.raises(ValueError, match="exactly one"):
+        _tree(3).with_host_lists()
+    with pytest.raises(ValueError, match="exactly one"):
+        _tree(3).with_host_lists(lists, reader=lambda: lists)
+
+
+def test_verify_output_from_host_builds_tensors_on_read():
+    from sglang_tev import VerifyOutput
+
+    out = VerifyOutput.from_host(([[0, 2]], [[5, 7]], [1], [9], [1.0], [3], [None]), 3, torch.float32)
+    assert out.decided_on_host
+    assert out.path.tolist() == [[0, 2, -1]] and out.accept_len.tolist() == [1] and out.bonus.tolist() == [9]
+    assert out.exit_node.tolist() == [2] and out.coverage.dtype == torch.float32

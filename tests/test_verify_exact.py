@@ -285,7 +285,7 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
             h = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
         with execution.use(host_walk_max_nodes=0):
             d = verify_tree(tree, x, "tev", sampling=greedy, validate=False)
-        assert getattr(h, "_host", None) is not None and getattr(d, "_host", None) is None
+        assert h.decided_on_host and not d.decided_on_host
         return h, d
 
     host, dev = both(logits)

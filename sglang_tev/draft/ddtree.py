@@ -246,9 +246,8 @@ def _host_tree(rows, budget: int, root_tokens: torch.Tensor) -> DraftTree:
         for i, p in enumerate(par_l, 1):  # parents precede children: copy the parent's row
             anc_r[i, :i] = anc_r[p, :i]
     t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
-    tree = DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth)
-    object.__setattr__(tree, "_host", host)  # DraftTree.host(): the lists, without reading the tensors back
-    return tree
+    # DraftTree.host(): the lists, without reading the tensors back
+    return DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth).with_host_lists(host)
 
 
 SURVIVOR_GROUP = 64
@@ -366,8 +365,7 @@ def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit,
         (par, tok), m = ints[:2].tolist(), counts.tolist()
         return [p[: c] for p, c in zip(par, m)], [t[: c] for t, c in zip(tok, m)]
 
-    object.__setattr__(tree, "_host_fn", host_lists)
-    return tree
+    return tree.with_host_lists(reader=host_lists)
 
 
 def _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:

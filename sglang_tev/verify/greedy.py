@@ -53,7 +53,7 @@ def greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
             raise MemoryError("the native greedy walk could not allocate its scratch")
         rows = out.tolist()
         acc = [h[2 * n] for h in rows]
-        return VerifyOutput._from_host(([h[: a + 1] for h, a in zip(rows, acc)], [h[n: n + a + 1] for h, a in zip(rows, acc)],
+        return VerifyOutput.from_host(([h[: a + 1] for h, a in zip(rows, acc)], [h[n: n + a + 1] for h, a in zip(rows, acc)],
                                         acc, [h[2 * n + 1] for h in rows], [float(a) for a in acc],
                                         [h[2 * n + 2] for h in rows], [h[2 * n + 3] for h in rows]), n, cover_dt)
     top, row_max = argmax_and_max(logits)
@@ -72,6 +72,6 @@ def greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
         path_tokens.append([tok[i] for i in path])
         acc.append(len(path) - 1)
         bonus.append(tp[cur])
-    return VerifyOutput._from_host((paths, path_tokens, acc, bonus, [float(a) for a in acc],
+    return VerifyOutput.from_host((paths, path_tokens, acc, bonus, [float(a) for a in acc],
                                     [len(p) for p in parents],
                                     [first_nonfinite(m, len(p)) for m, p in zip(row_max, parents)]), n, cover_dt)

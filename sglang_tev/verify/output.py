@@ -70,13 +70,20 @@ class VerifyOutput:
         self.reach = reach
 
     @classmethod
-    def _from_host(cls, decision: tuple, width: int, coverage_dtype: torch.dtype) -> "VerifyOutput":
-        """From host lists (paths, path_tokens, accept_len, bonus, coverage, tree_nodes,
-        first_nonfinite)."""
+    def from_host(cls, decision: tuple, width: int, coverage_dtype: torch.dtype) -> "VerifyOutput":
+        """A decision made on the host (greedy on CPU): ``decision`` = (paths, path_tokens,
+        accept_len, bonus, coverage, tree_nodes, first_nonfinite), Python lists per row; the
+        tensors (``path`` int64 [b, width], coverage of ``coverage_dtype``) are built only when
+        one is read."""
         out = cls.__new__(cls)
         out._tensors, out._host, out._shape = None, decision, (width, coverage_dtype)
         out.reach = None
         return out
+
+    @property
+    def decided_on_host(self) -> bool:
+        """The decision was made on the host (:meth:`from_host`): :meth:`host` costs nothing."""
+        return self._host is not None
 
     def _materialise(self) -> tuple:
         if self._tensors is None:
