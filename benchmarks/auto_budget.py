@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -108,10 +106,11 @@ def main(argv=None) -> int:
                                                          f"{dict(chosen[b].most_common(6))}; plain rounds per run {[round(x, 2) for x in plain_share]}"
                                                          if b == "auto" else ""),
                       flush=True)
-    import transformers
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "machine": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
+    from sglang_tev.machine import machine_info
+    meta = {"command": " ".join([sys.executable, *sys.argv]),
+            **machine_info(machine="cpu", cores="cpu_count", threads="torch_threads", torch="torch",
+                           transformers="transformers"),
+            "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -42,11 +41,10 @@ sys.path.insert(0, str(REPO))
 
 
 def machine() -> dict:
-    import torch
-    import transformers
+    from sglang_tev.machine import machine_info
 
-    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+    return {**machine_info(host="node", cpu="cpu", cores="cpu_count", python="python", torch="torch",
+                           transformers="transformers"),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

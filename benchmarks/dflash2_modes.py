@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import statistics
@@ -107,13 +106,13 @@ def main(argv=None) -> int:
     import transformers
 
     import sglang_tev
+    from sglang_tev.machine import machine_info
 
     report = {
         "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "load_average": os.getloadavg()},
+        "machine": machine_info("platform", processor="cpu", cpu_count="cpu_count", torch_threads="torch_threads",
+                                load_average="load_average"),
         "versions": {"sglang_tev": sglang_tev.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "settings": {"prompts": f"humaneval[:{args.limit}]", "max_new_tokens": args.max_new_tokens,

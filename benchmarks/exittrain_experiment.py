@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,8 @@ BASE_DRAFT = ASSET / "draft-base"
 RESULTS = REPO / "benchmarks" / "results" / "exittrain-experiment.json"
 sys.path.insert(0, str(REPO))
 
+from sglang_tev.atomic import atomic_write  # noqa: E402
+from sglang_tev.machine import machine_info  # noqa: E402
 from sglang_tev.train.config import load_recipe  # noqa: E402
 from sglang_tev.train.rollout import cut_prompts  # noqa: E402  (the training and test prompts)
 
@@ -100,16 +101,8 @@ def design_conflict(old: dict, out: Path) -> str | None:
 
 
 def machine() -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    return machine_info(cpu="cpu_model", cores="cpu_count", platform="platform", python="python", torch="torch",
+                        transformers="transformers")
 
 
 def run_names() -> list[tuple[str, int]]:
@@ -135,9 +128,7 @@ def record(run_dir: Path, entry: dict) -> None:
         recs = json.loads(p.read_text()) if p.exists() else []
         recs.append(entry)
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(recs, indent=1) + "\n")
-        os.replace(tmp, p)
+        atomic_write(p, json.dumps(recs, indent=1) + "\n", tmp=p.with_suffix(".tmp"))
 
 
 def run_cmd(cmd: list[str], run_dir: Path, kind: str, seed: int | None, mach: dict, **extra) -> float:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -128,11 +127,12 @@ def main(argv=None) -> int:
 
     from sglang_tev.hf.drafters import DFlashDrafter
     from sglang_tev.hf.runtime import SpeculativeGenerator
+    from sglang_tev.machine import machine_info
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     target, draft = build_models(dev, dtype)
     prompts = random_prompts(args.batch, args.prompt_len, target.config.vocab_size)
-    out = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+    out = {"meta": {**machine_info("gpu", "torch", "python"),
                     "budget": args.budget, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                     "batch": args.batch, "command": " ".join(sys.argv)}}
     for mode in ("eager", "graphs"):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -40,6 +39,7 @@ import torch
 
 from sglang_tev import build_ddtree
 from sglang_tev.draft.lattice import build_lattice_tree, build_marginal_tree, lattice_marginals, selector_chain
+from sglang_tev.machine import machine_info
 
 
 def time_interleaved(calls: dict, repeats: int, warmup: int, before=None) -> tuple[dict, dict]:
@@ -83,13 +83,8 @@ def make_inputs(b: int, D: int, K: int, vocab: int, seed: int):
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+    m = machine_info("cpu_model", "cpu_count", "system")
+    return f"{m['cpu_model']}, {m['cpu_count']} cores, {m['system']}"
 
 
 def main(argv=None) -> dict:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import types
@@ -186,8 +185,10 @@ def main(argv=None) -> int:
         for k in ("draft", "build", "tree_forward", "decision_commit", "between", "tokens_per_s", "tau"):
             a, b = rec["reference"][k], rec["ours"][k]
             print(f"  {k:<18}{a:>11.3f}{b:>10.3f}{rec['ratio_ours_over_reference'].get(k, float('nan')):>10.2f}")
-    meta = {"machine": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-            "python": sys.version.split()[0], "torch": torch.__version__, "threads": args.threads,
+    from sglang_tev.machine import machine_info
+
+    meta = {**machine_info(machine="platform", processor="processor", cpu_count="cpu_count", python="python",
+                           torch="torch"), "threads": args.threads,
             "device": str(dev), "dtype": str(dtype), "command": " ".join(sys.argv)}
     import transformers
 

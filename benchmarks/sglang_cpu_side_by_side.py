@@ -95,15 +95,9 @@ def load_prompt_ids(which: str, limit: int | None, tokenizer) -> tuple[list[str]
 
 
 def machine() -> dict:
-    model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from sglang_tev.machine import machine_info, proc_cpu_model
+
+    m = machine_info("cpu_count", "platform")
     flags = ""
     try:
         flags = open("/proc/cpuinfo").read()
@@ -116,12 +110,12 @@ def machine() -> dict:
     except OSError:
         pass
     return {
-        "nproc": os.cpu_count(),
-        "cpu_model": model,
+        "nproc": m["cpu_count"],
+        "cpu_model": proc_cpu_model(),
         "avx512f": " avx512f" in flags,
         "amx": " amx_tile" in flags,
         "mem_total": mem,
-        "platform": platform.platform(),
+        "platform": m["platform"],
         "gpu": "none (CPU only)",
     }
 
@@ -327,6 +321,8 @@ def main(argv=None) -> int:
 
     from hosts import TARGET
 
+    from sglang_tev.atomic import atomic_write
+
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     names, prompt_ids = load_prompt_ids(args.prompts, args.limit, tokenizer)
     sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": not args.no_ignore_eos}
@@ -371,9 +367,7 @@ def main(argv=None) -> int:
         result["modes"].append(rec)
         result["total_wall_s"] = round(time.monotonic() - t_all, 2)
         result["load_avg_end"] = os.getloadavg()
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+        atomic_write(out_path, json.dumps(result, indent=1))
     m = result["machine"]
     print(f"\nMachine: {m['nproc']} CPUs, {m['cpu_model']}, no GPU; sglang {result['versions']['sglang']}, "
           f"torch {result['versions']['torch']}, transformers {result['versions']['transformers']}; "

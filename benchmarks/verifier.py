@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 
 import sglang_tev
 from sglang_tev import SamplingParams, build_ddtree, num_uniforms, verify_tree
+from sglang_tev.machine import machine_info
 
 
 def _triton_version() -> str | None:
@@ -197,10 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = dict(
             torch=torch.__version__,
             sglang_tev=sglang_tev.__version__,
-            python=platform.python_version(),
-            machine=platform.machine(),
-            processor=platform.processor() or platform.machine(),
-            cpu_threads=torch.get_num_threads(),
+            **machine_info("python", machine="arch", processor="cpu", cpu_threads="torch_threads"),
             gpu=torch.cuda.get_device_name() if device.startswith("cuda") else None,
             triton=_triton_version(),
             timing="CUDA events over CUDA-graph replays" if cuda else "wall clock per call, methods round-robin",

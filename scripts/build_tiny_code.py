@@ -108,7 +108,7 @@ def sha256_file(path: Path) -> str:
 
 def write_json(path: Path, obj) -> None:
     """Written whole or not at all (a killed write leaves the old file or none)."""
-    from sglang_tev.train.atomic import atomic_write
+    from sglang_tev.atomic import atomic_write
 
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -124,7 +124,7 @@ def fresh_tmp(out: Path, name: str) -> Path:
 def publish(tmp: Path, final: Path) -> None:
     """Move a fully written stage dir into place (one rename: readers never see a half-written
     stage). An old complete dir only exists here under --force."""
-    from sglang_tev.train.atomic import publish_dir
+    from sglang_tev.atomic import publish_dir
 
     publish_dir(tmp, final)
 
@@ -245,7 +245,7 @@ def build_target(args, cfg: Config, out: Path) -> dict | None:
     from tqdm import tqdm
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    from sglang_tev.train.atomic import atomic_write
+    from sglang_tev.atomic import atomic_write
     from sglang_tev.train.checkpoint import truncate_log
 
     tokdir = out / "tokenizer"
@@ -713,7 +713,7 @@ def build_exittrain(args, cfg: Config, out: Path) -> dict | None:
     drafter before and after. Resumes from the trainer's checkpoints and the rollout cache in
     OUTDIR/exittrain_train/."""
     import torch
-    from sglang_tev.train.atomic import atomic_write
+    from sglang_tev.atomic import atomic_write
     from sglang_tev.train.rollout import cut_prompts
 
     if stage_record(out, "draft") is None:

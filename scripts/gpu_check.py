@@ -75,7 +75,6 @@ import importlib.metadata
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -753,8 +752,9 @@ class Recorder:
 def environment() -> dict:
     import torch
 
-    env = dict(python=platform.python_version(), platform=platform.platform(), torch=torch.__version__,
-               cuda=torch.version.cuda, cpu_count=os.cpu_count(),
+    from sglang_tev.machine import machine_info
+
+    env = dict(**machine_info("python", "platform", "torch", cuda="cuda_version", cpu_count="cpu_count"),
                triton_interpret=os.environ.get("TRITON_INTERPRET", ""))
     for dist in ("triton", "transformers", "scipy"):  # versions without importing them (seconds each)
         try:

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -33,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..atomic import atomic_dir
 from .dflash2 import DFLASH2_ARCHITECTURES, CandidateSelector, GroupedCausalConv, SelectorLattice, transform_logits
 
 __all__ = [
@@ -1059,29 +1057,6 @@ class DFlashDraftModel(nn.Module):
         cfg["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
         cfg.pop("torch_dtype", None)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
-        old = None
-        try:
+        with atomic_dir(dest) as tmp:  # files fsynced before the rename publishes them
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            for name in (WEIGHTS_NAME, CONFIG_NAME):  # durable before the rename publishes them
-                fd = os.open(tmp / name, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            if dest.exists():
-                old = parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-                os.rename(dest, old)
-            try:
-                os.rename(tmp, dest)
-            except BaseException:
-                if old is not None:
-                    os.rename(old, dest)
-                    old = None
-                raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

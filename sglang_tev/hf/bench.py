@@ -41,13 +41,14 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import statistics
 from collections import Counter
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..atomic import atomic_write
+from ..machine import machine_info
 from ..sampling import SamplingParams
 from .datasets import Prompt, encode_prompt
 from ..spec import DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, VERIFIERS, is_greedy
@@ -321,12 +322,9 @@ def plot_stage_ms(records: Sequence[dict], path: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------------------------- meta
 
 def _machine() -> dict:
-    import torch
-
-    info = {"node": platform.node(), "platform": platform.platform(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+    info = machine_info("node", "platform", "processor", "cpu_count", "torch_threads", "python", "gpu")
+    if info["gpu"] is None:  # recorded only where there is one
+        del info["gpu"]
     return info
 
 
@@ -352,9 +350,7 @@ def _meta(generator, command, extra, settings) -> dict:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- main loop

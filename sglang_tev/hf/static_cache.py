@@ -1,5 +1,5 @@
 """A static, preallocated KV cache with per-row lengths, and how a cache is handed to a
-transformers model (:func:`cache_kwargs`).
+transformers model (:func:`cache_kwargs`, from :mod:`sglang_tev.compat`).
 
 Layout: per target layer, keys and values ``[rows, kv_heads, max_len, head_dim]`` allocated once
 (at the first write, when the head shapes are known). Row r holds the KV of positions
@@ -17,29 +17,13 @@ excludes).
 from __future__ import annotations
 
 import ctypes
-import inspect
 
 import torch
 
+from ..compat import cache_kwarg_name, cache_kwargs  # noqa: F401 - re-exported: their home was here
 from ..native import native
 
 __all__ = ["StaticKVCache", "cache_kwarg_name", "cache_kwargs"]
-
-
-def cache_kwarg_name(model) -> str:
-    """The KV-cache keyword of ``model.forward``: ``cache`` where transformers has renamed it
-    (the signature says so; 5.2x), else ``past_key_values`` (which newer releases accept only
-    until their removal)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def cache_kwargs(model, cache) -> dict:
-    """``{cache_kwarg_name(model): cache}``, to pass a KV cache to ``model(...)``."""
-    return {cache_kwarg_name(model): cache}
 
 
 class StaticKVCache:

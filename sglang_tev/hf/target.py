@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .masks import attention_layout, attention_mask_format
-from .static_cache import cache_kwarg_name
+from ..compat import cache_kwarg_name
 
 __all__ = ["TargetModel"]
 

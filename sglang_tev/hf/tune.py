@@ -25,14 +25,13 @@ tau (the exit law is the same core), so on a GPU server the table is a starting 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
+from ..atomic import atomic_write
+from ..machine import machine_info
 from .autobudget import CostTable
 
 __all__ = ["run_tune", "format_tune", "TUNE_BUDGETS"]
@@ -175,13 +174,9 @@ def format_tune(result: dict) -> str:
 
 def tune_meta(argv: Sequence[str]) -> dict:
     """Command, machine and versions recorded beside the results."""
-    import torch
-    import transformers
-
-    return {"command": " ".join(["sglang-tev", *argv]), "python": sys.version.split()[0],
-            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    return {"command": " ".join(["sglang-tev", *argv]),
+            **machine_info("python", machine="cpu", cores="cpu_count", threads="torch_threads", torch="torch",
+                           transformers="transformers", cuda="gpu"),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -189,6 +184,4 @@ def write_tune(path: Path, result: dict, meta: dict) -> None:
     """Write the JSON (meta, rows, best, cost_table) atomically: a failed write leaves no file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"meta": meta, **result}, indent=2) + "\n")

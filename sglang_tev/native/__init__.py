@@ -28,6 +28,8 @@ import shutil
 import subprocess
 import tempfile
 
+from ..atomic import atomic_path
+
 __all__ = ["native", "native_builder", "HMAX"]
 
 HMAX = 64
@@ -82,16 +84,12 @@ def _build() -> ctypes.CDLL | None:
             _log.info("sglang_tev: no C compiler found; the host helpers run in Python")
             return None
         os.makedirs(out_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # unique: concurrent builders
         os.close(fd)
-        try:  # build beside the target, then rename: concurrent builders never see half a file
+        with atomic_path(lib_path, tmp=tmp):  # build beside the target, then rename: never half a file
             subprocess.run([*cc, "-O3", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True,
                            timeout=120)
             os.chmod(tmp, 0o755)  # readable by others sharing the cache
-            os.replace(tmp, lib_path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
         for old in os.listdir(out_dir):  # builds of older sources
             if old.startswith(("host_ops-", "ddtree_host-")) and old.endswith(".so") and old != os.path.basename(lib_path):
                 try:

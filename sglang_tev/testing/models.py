@@ -52,7 +52,7 @@ def plain_greedy(model, prompt, n, stops=()) -> list[int]:
     new ids (fewer when a token of ``stops`` comes first, which is kept)."""
     from transformers import DynamicCache
 
-    from ..hf.static_cache import cache_kwargs
+    from ..compat import cache_kwargs
 
     out = []
     dev = next(model.parameters()).device

@@ -11,10 +11,10 @@ weights and loss). Docs: ``docs/training.md``, ``docs/exittrain.md``.
 Modules, one job each: ``config`` (run configs, packaged recipes), ``data`` (datasets, batches,
 anchors), ``rollout`` (the target's rollouts as data), ``losses`` (dense objective and loss terms),
 ``exit`` (ExitTrain's trees and weights), ``target`` (the frozen target), ``draft_init`` (the
-drafter a run starts from), ``schedule`` (learning rate), ``atomic`` (whole-or-nothing writes),
-``checkpoint`` (checkpoints, RNG state, fingerprints), ``trainer`` (the loop), ``metrics`` (drafter
-metrics: held-out accuracy/CE and the tree metric), ``drafter_eval`` (drafter comparison,
-``sglang-tev eval-drafter``).
+drafter a run starts from), ``schedule`` (learning rate), ``checkpoint``
+(checkpoints, RNG state, fingerprints; whole-or-nothing writes come from ``sglang_tev.atomic``),
+``trainer`` (the loop), ``metrics`` (drafter metrics: held-out accuracy/CE and the tree metric),
+``drafter_eval`` (drafter comparison, ``sglang-tev eval-drafter``).
 """
 
 from .config import (ConfigError, DraftArchConfig, ExitLossConfig, LossConfig, RolloutConfig, TrainConfig,

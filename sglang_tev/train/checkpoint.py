@@ -14,14 +14,13 @@ import os
 import random
 import shutil
 import sys
-import uuid
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 import torch
 
-from .atomic import atomic_write, fsync_dir, publish_dir
+from ..atomic import atomic_dir, atomic_write
 from .config import ConfigError, TrainConfig, config_to_dict, schema_default
 
 __all__ = ["CHECKPOINT_DIR", "STATE_NAME", "STATE_VERSION", "RUN_CONTROL_KEYS", "checkpoint_dirs",
@@ -62,22 +61,16 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, draft, state: dict
 
     Everything goes to ``checkpoints/.tmp-step_<step>-<random>/`` first (drafter via
     ``save_pretrained``, then ``trainer_state.pt``, fsynced) and one ``os.replace`` publishes it
-    (:func:`~.atomic.publish_dir`); any failure removes the temporary directory and leaves the
+    (:func:`sglang_tev.atomic.atomic_dir`); any failure removes the temporary directory and leaves the
     previous checkpoints untouched.
     """
     root = Path(output_dir) / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    # replaces `final` only when a run re-saves a step it already saved
+    with atomic_dir(final) as tmp:
         draft.save_pretrained(tmp / "draft")
         atomic_write(tmp / STATE_NAME, lambda f: torch.save(state, f))
-        fsync_dir(tmp)
-        publish_dir(tmp, final)  # replaces `final` only when a run re-saves a step it already saved
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for _, p in checkpoint_dirs(output_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return final

@@ -44,7 +44,8 @@ from typing import Sequence
 
 import torch
 
-from .atomic import atomic_write
+from ..atomic import atomic_write
+from ..machine import machine_info
 from ..spec import MAX_BUDGET
 from .exit import kv_reuse_forward
 # the tree metric (one pipeline with the trainer's evaluation); re-exported: its public home was here
@@ -118,7 +119,7 @@ def sequence_block_stats(target, drafters: Sequence, ids: torch.Tensor, anchors:
     from transformers import DynamicCache
 
     from ..draft.dflash import extract_context_features
-    from ..hf.static_cache import cache_kwargs
+    from ..compat import cache_kwargs
     from .metrics import draft_blocks
 
     if tree_modes is None:
@@ -414,8 +415,6 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
                                             "pct_se": 100 * se / ref, "baseline": row_names[0]}
                 rec["per_prompt"] = {"positions": n, "block_len_sum": s["block_len"], "w_root_sum": s["w_root"]}
                 results.append(rec)
-    import platform
-
     rep = {"command": command, "target": os.fspath(target_path), "drafters": names,
            "draft_paths": [os.fspath(p) for p in draft_paths],
            "tree_modes": list(tree_modes), "rows": row_names, "row_modes": [m for _, m in rows], "notes": notes,
@@ -424,8 +423,8 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
            "chat_template": applies_chat_template(tokenizer, chat_template),
            "continuations": {f"{t:g}": os.fspath(conts[t][0]) for t in temps},
            "generate_s": round(t_gen, 2), "score_s": round(t_score, 2),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                       "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)},
+           "machine": {**machine_info("platform", cpus="cpu_count", python="python", torch="torch",
+                                      threads="torch_threads"), "device": str(device)},
            "results": results}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -248,7 +248,7 @@ def kv_reuse_forward(decoder, seq_cache) -> Callable[[torch.Tensor, torch.Tensor
     """
     from transformers import DynamicCache
 
-    from ..hf.static_cache import cache_kwargs
+    from ..compat import cache_kwargs
 
     def forward_rows(tokens, positions, mask):
         cache = DynamicCache()

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..draft.dflash import extract_context_features
-from ..hf.static_cache import cache_kwargs
+from ..compat import cache_kwargs
 from ..tree import DraftTree, ExitLaw, exit_law
 from .data import TokenDataset, collate, valid_anchor_positions
 from ..spec import resolve_draft_mode

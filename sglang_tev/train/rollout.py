@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import atomic_write
 from .config import ConfigError, RolloutConfig, config_to_dict
 from .data import jsonl_rows
 
@@ -203,9 +204,7 @@ def ensure_rollouts(target, tokenizer, cfg: RolloutConfig, target_path: str | os
     prompts = read_prompts(cfg.prompts, tokenizer, cfg.chat_template, cfg.limit)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not meta_path.exists():
-        tmp = meta_path.with_name(meta_path.name + ".tmp")
-        tmp.write_text(json.dumps(settings, indent=2) + "\n")
-        os.replace(tmp, meta_path)
+        atomic_write(meta_path, json.dumps(settings, indent=2) + "\n")
     done = _complete_rows(path)
     if done >= len(prompts):
         return path

@@ -34,7 +34,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-from ..hf.static_cache import cache_kwargs
+from ..compat import cache_kwargs
 from ..draft.dflash import DFlashDraftModel, extract_context_features
 from .checkpoint import (CHECKPOINT_DIR, STATE_NAME, STATE_VERSION, check_world_size, checkpoint_dirs,
                          clean_stale_tmp, find_resume, fingerprint, latest_checkpoint, load_resume_state, rng_state,
