@@ -856,29 +856,16 @@ def _check_output_dir(out: Path, overwrite: bool, reusable: tuple[str, ...] = ()
     try:
         if out.is_symlink() and not out.exists():
             raise UsageError(arg, f"{out} is a link to a missing {os.readlink(out)!r}")
-        if out.exists() and not out.is_dir():
-            raise UsageError(arg, f"{out} exists and is not a directory")
-        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-        if blocker is not None:
-            raise UsageError(arg, f"cannot create {out}: {blocker} is not a directory")
         if must_be_empty and out.is_dir() and any(p.name not in reusable for p in out.iterdir()) and not overwrite:
             raise UsageError(arg, f"{out} exists and is not empty (results of an earlier run?); "
                                   f"choose another {arg} or pass --overwrite")
-        base = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))
     except OSError as e:  # e.g. a name longer than the filesystem allows
         raise UsageError(arg, f"cannot use {str(out)[:80]!r}: {e.strerror or e}") from None
-    # probe that the folder can be made, before minutes of model loading (a read-only or virtual
-    # filesystem such as /proc fails only at the first write otherwise)
+    # a file in the way, a read-only or virtual filesystem (/proc), a name too long: before
+    # minutes of model loading, not at the first write
     problem = creatable_dir_problem(out)
     if problem is not None:
         raise UsageError(arg, problem)
-    try:  # a name below base too long for its filesystem fails only when the run creates it
-        name_max = os.pathconf(base, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        name_max = None
-    missing = out.resolve().relative_to(base.resolve()).parts if name_max else ()
-    if any(len(part.encode()) > name_max for part in missing):
-        raise UsageError(arg, f"cannot create {str(out)[:80]!r}...: a name is longer than {name_max} bytes")
 
 
 TREE_MODE_CHOICES = ("auto", *TREE_MODES)

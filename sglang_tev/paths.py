@@ -13,9 +13,11 @@ __all__ = ["creatable_dir_problem"]
 def creatable_dir_problem(out: str | os.PathLike) -> str | None:
     """Why the folder ``out`` could not be created or written, or None when it can.
 
-    Probes the nearest existing ancestor (or ``out`` itself) by making and removing a temporary
-    folder there: a read-only mount or a virtual filesystem such as ``/proc`` otherwise fails only
-    at the first write, after minutes of loading. Creates nothing that stays.
+    Refused: ``out`` or a folder on its path is a file; a name the filesystem rejects; a place
+    that cannot be written (probed by making and removing a temporary folder in the nearest
+    existing ancestor: a read-only mount or a virtual filesystem such as ``/proc`` otherwise fails
+    only at the first write, after minutes of loading); a missing name longer than that
+    filesystem's ``PC_NAME_MAX``. Creates nothing that stays.
     """
     out = Path(out)
     try:
@@ -31,4 +33,11 @@ def creatable_dir_problem(out: str | os.PathLike) -> str | None:
         tempfile.TemporaryDirectory(dir=base, prefix=".sglang-tev-probe-").cleanup()
     except OSError as e:
         return f"cannot create folders under {base} ({e.strerror or e})"
+    try:  # a name below base too long for its filesystem fails only when the run creates it
+        name_max = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = None
+    missing = out.resolve().relative_to(base.resolve()).parts if name_max else ()
+    if any(len(part.encode()) > name_max for part in missing):
+        return f"cannot create {str(out)[:80]!r}...: a name is longer than {name_max} bytes"
     return None

@@ -120,11 +120,16 @@ class AutoBudget:
         self.controller = controller
         self.capacity = max(grid)
         self.block_size = block_size
+        self._plans: dict[tuple[int, int], RoundPlan] = {}  # (rows, budget) -> plan: no work per round
 
     def plan(self, batch: int) -> RoundPlan:
         b = self.controller.choose(batch)
-        depth = None if self.block_size is None else min(self.block_size - 1, b)
-        return RoundPlan((b,) * batch, self.capacity, draft_depth=depth, reach_at=tuple(self.controller.grid_upto(b)))
+        p = self._plans.get((batch, b))
+        if p is None:
+            depth = None if self.block_size is None else min(self.block_size - 1, b)
+            p = self._plans[batch, b] = RoundPlan((b,) * batch, self.capacity, draft_depth=depth,
+                                                  reach_at=tuple(self.controller.grid_upto(b)))
+        return p
 
     def observe(self, plan: RoundPlan, reach_cum, seconds: float) -> None:
         self.controller.observe(len(plan.budgets), plan.budget, reach_cum, seconds)

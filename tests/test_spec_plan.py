@@ -28,7 +28,7 @@ def test_every_copy_reads_the_spec():
     from sglang_tev import cli, spec
     from sglang_tev import verify
 
-    assert sampling.GREEDY_EPS is spec.GREEDY_EPS and lattice.GREEDY_TEMPERATURE is spec.GREEDY_EPS
+    assert sampling.GREEDY_EPS is spec.GREEDY_EPS and lattice.GREEDY_EPS is spec.GREEDY_EPS
     assert autobudget.MAX_BUDGET == runtime.MAX_BUDGET == cli.MAX_BUDGET == MAX_BUDGET
     assert srt_config.MAX_TREE_SIZE == SGLANG_MAX_TREE_SIZE == MAX_BUDGET  # SGLang's kernels: N <= 1024
     assert verify.METHODS is bench.TREE_METHODS is cli.VERIFIERS is spec.VERIFIERS
@@ -166,6 +166,8 @@ def test_auto_budget_cuts_the_block_and_feeds_back():
     assert p.plain and p.draft_depth == 0 and p.reach_at == ()
     p = pol.plan(1)
     assert p.budgets == (32,) and p.draft_depth == 15  # K - 1 caps the depth
+    ctl.choices.append(32)
+    assert pol.plan(1) is p  # one plan per (rows, budget): no allocation per round
     with pytest.raises(SpecError, match="grid"):
         AutoBudget(type("C", (), {"grid": ()})())
 

@@ -59,8 +59,6 @@ from .ddtree import (_check_budget, _check_options, _check_roots, _host_options,
 
 __all__ = ["build_lattice_tree", "build_marginal_tree", "lattice_marginals", "selector_chain"]
 
-GREEDY_TEMPERATURE = GREEDY_EPS
-"""Temperatures below this are greedy in :func:`selector_chain` (:data:`sglang_tev.spec.GREEDY_EPS`)."""
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -393,11 +391,11 @@ def selector_chain(
     x = trans_logq.to(torch.float64)
     if isinstance(temperature, torch.Tensor):
         T = temperature.to(device=dev, dtype=torch.float64).reshape(-1).expand(b)
-        greedy = T < GREEDY_TEMPERATURE
+        greedy = T < GREEDY_EPS
         any_sampled = True
     else:
         T = float(temperature)
-        greedy = T < GREEDY_TEMPERATURE
+        greedy = T < GREEDY_EPS
         any_sampled = not greedy
     if any_sampled and uniforms is None:
         uniforms = torch.rand(b, D, dtype=torch.float64, generator=generator, device=dev)
@@ -409,7 +407,7 @@ def selector_chain(
         if any_sampled:
             Tc = T.unsqueeze(-1) if isinstance(T, torch.Tensor) else T
             if isinstance(Tc, torch.Tensor):
-                Tc = Tc.clamp(min=GREEDY_TEMPERATURE)
+                Tc = Tc.clamp(min=GREEDY_EPS)
             p = torch.softmax(row / Tc, -1)
             cdf = p.cumsum(-1)
             u = uniforms[:, d: d + 1] * cdf[:, -1:]

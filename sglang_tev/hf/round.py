@@ -164,7 +164,7 @@ def run_round(state: BatchState) -> list[int]:
     lap("build")
     logits, feats = tree_forward(state, tree, inputs)
     lap("tree_forward")
-    reach_at = list(plan.reach_at) if plan.reach_at and drafted is not None else None
+    reach_at = plan.reach_at if drafted is not None else None
     decision = verify(state, tree, logits, reach_at)
     lap("verify")
     finished = commit(state, sl, tree, lens, feats, decision, times)
@@ -401,7 +401,7 @@ def row_uniforms(state: BatchState, n: int) -> torch.Tensor | None:
     return u
 
 
-def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor, reach_at: list[int] | None = None):
+def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor, reach_at: Sequence[int] | None = None):
     """Controls at every node, the verifier, and the round's one host sync: the decision and
     each row's first valid node with non-finite logits (the finiteness check) read back
     together (:meth:`~sglang_tev.verify.VerifyOutput.host`).

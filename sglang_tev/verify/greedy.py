@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import execution
 from ..native import native
 from ..tree import DraftTree
 from ._common import argmax_and_max, argmax_last, follow_tokens
@@ -30,11 +29,9 @@ def greedy_verify(tree: DraftTree, scores: torch.Tensor):
     return exit_node, bonus
 
 
-HOST_WALK_MAX_NODES = execution.CPU_SHORTCUTS.host_walk_max_nodes
-"""(The default of :attr:`sglang_tev.execution.ExecutionPaths.host_walk_max_nodes`.) Greedy verification of CPU trees with at most this many nodes in all (b x N) walks the tree on
-the host, as the DDTree reference does: one argmax pass, then a dictionary walk over the
-tree's lists. Larger batches (and every other device) use the tensor walk
-(:func:`~sglang_tev.verify.greedy.greedy_verify`); both give equal outputs."""
+# Greedy verification of small CPU trees (b x N up to execution.current().host_walk_max_nodes)
+# walks the tree on the host, as the DDTree reference does: one argmax pass, then a dictionary
+# walk over the tree's lists; larger batches and every other device use greedy_verify. Equal outputs.
 
 
 def greedy_on_host(tree: DraftTree, logits: torch.Tensor) -> VerifyOutput:
