@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
-from sglang_tev.draft import dflash as dflash_mod
+from sglang_tev.draft.dflash import io as dflash_io  # the module that calls save_file
 from sglang_tev.draft.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -390,7 +390,7 @@ def test_save_is_atomic(dflash_ckpt, monkeypatch):
         Path(filename).write_bytes(b"half a checkpoint")
         raise OSError("disk full")
 
-    monkeypatch.setattr(dflash_mod, "save_file", failing_save_file)
+    monkeypatch.setattr(dflash_io, "save_file", failing_save_file)
     with pytest.raises(OSError, match="disk full"):
         other.save_pretrained(path)
     assert os.listdir(path.parent) == [path.name]

@@ -1,1 +1,2 @@
-"""Drafting: the DFlash drafter (dflash.py) and the DDTree best-first tree builder (ddtree.py)."""
+"""Drafting: the DFlash drafter (the dflash/ package; DFlash2's pieces in dflash2.py), the DDTree
+best-first tree builder (ddtree.py) and the DFlash2 lattice trees (lattice.py)."""
