@@ -13,7 +13,7 @@ import torch
 
 from sglang_tev.draft.ddtree import build_ddtree
 from sglang_tev.draft.lattice import build_lattice_tree
-from sglang_tev.hf.autobudget import DEFAULT_GRID, BudgetController, CostTable
+from sglang_tev.hf.autobudget import DEFAULT_GRID, BatchSizeState, BudgetController, CostTable, Trial
 from sglang_tev.hf.runtime import SpeculativeGenerator
 from sglang_tev.sampling import SamplingParams, processed_probs
 from sglang_tev.tree import DraftTree, exit_law
@@ -270,13 +270,13 @@ def test_a_regime_switch_is_tried_against_the_same_minute_and_undone_when_it_los
     ctl = BudgetController(grid, CostTable(), explore_share=0.0)
     assert _run(ctl, 5, gains, true) == [32, 0, 0, 8, 8]  # calibration
     _run(ctl, 20, gains, true)
-    assert ctl._current[1] == 0 and not ctl.trials
+    assert ctl.state(1).current == 0 and not ctl.trials
     for _ in range(12):  # a burst of fast budget-8 rounds: its median now reads 12 ms (rate 167 > 100)
         _feed(ctl, 8, gains, seconds=0.012)
-    while ctl._age[1] < ctl.min_gap:  # up to the next re-read of the choice
+    while ctl.state(1).age < ctl.min_gap:  # up to the next re-read of the choice
         _run(ctl, 1, gains, true)
     picks = _run(ctl, 5, gains, true)
-    assert picks == [8] * 5 and ctl._trial  # on trial
+    assert picks == [8] * 5 and ctl.state(1).trial is not None  # on trial
     after = _run(ctl, 30, gains, true)
     assert ctl.trials == [(1, 0, 8, False)] and after == [0] * 30  # undone, cooling down
     # the table still reads 8 as fast (its window of 15 holds 10 of the fast rounds): after the
@@ -288,7 +288,7 @@ def test_a_regime_switch_is_tried_against_the_same_minute_and_undone_when_it_los
     frozen = BudgetController(grid, _table({0: 0.010, 8: 0.012, 32: 0.045}))
     frozen.costs.frozen = True
     _feed(frozen, 32, gains)
-    assert frozen.choose(1) == 8 and not frozen._trial
+    assert frozen.choose(1) == 8 and frozen.state(1).trial is None
 
 
 def test_gains_of_rarely_observed_budgets_follow_the_fresh_ones():
@@ -306,7 +306,7 @@ def test_gains_of_rarely_observed_budgets_follow_the_fresh_ones():
 def test_controller_keeps_its_choice_within_the_margin():
     ctl = BudgetController((0, 8, 16), _table({0: 0.01, 8: 0.020, 16: 0.0205}), margin=0.05)
     ctl.gain = {8: 1.0, 16: 1.0}
-    ctl._current[1] = 16
+    ctl.state(1).current = 16
     assert ctl.best(1) == 16  # 8 is 2.5 % faster: not enough to switch
     ctl.costs = _table({0: 0.01, 8: 0.015, 16: 0.0205})
     assert ctl.best(1) == 8
@@ -320,6 +320,234 @@ def test_controller_arguments():
     for bad in (dict(explore_share=1.0), dict(min_gap=0), dict(trial_rounds=1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             BudgetController((0, 4), CostTable(), **bad)
+
+
+# ------------------------------------------------------------- the controller's steps, one by one
+def _set(costs: dict[int, float], batch: int = 1, frozen: bool = False) -> CostTable:
+    """A table holding exactly these seconds (no medians, no load)."""
+    t = CostTable(frozen=frozen)
+    for b, s in costs.items():
+        t.set(batch, b, s)
+    return t
+
+
+def test_state_is_one_object_per_batch_size():
+    ctl = BudgetController((0, 8), CostTable())
+    st = ctl.state(3)
+    assert st == BatchSizeState() and ctl.state(3) is st and ctl.batches == {3: st}
+    assert (st.calibrated, st.current, st.age, st.trial, st.repeat, st.cooldown, st.failures) == \
+        (False, None, None, None, None, 0, 0)
+    ctl.observe(2, 8, [[0.5]], 0.01)
+    assert ctl.state(2).last == 8 and ctl.state(3).last is None
+
+
+def test_expected_tokens_and_rate():
+    ctl = BudgetController((0, 8, 16), _set({0: 0.010, 8: 0.020}))
+    ctl.gain = {8: 1.5}
+    assert ctl.expected_tokens(0) == 1.0 and ctl.expected_tokens(8) == 2.5 and ctl.expected_tokens(16) is None
+    assert ctl.rate(1, 0) == pytest.approx(100.0) and ctl.rate(1, 8) == pytest.approx(125.0)
+    assert ctl.rate(1, 16) is None  # no gain yet
+    ctl.gain[16] = 2.0  # cost of 16: one timed tree budget only, so none
+    assert ctl.rate(1, 16) is None
+    frozen = BudgetController((0, 8, 16), _set({0: 0.010, 8: 0.020, 16: 0.030}, frozen=True))
+    frozen.gain = {8: 1.5, 16: 2.0}
+    assert frozen.rate(1, 16) == pytest.approx(100.0)
+    frozen.costs = _set({0: 0.010, 8: 0.020, 32: 0.030}, frozen=True)  # 16 held nowhere: a fit's guess
+    assert frozen.rate(1, 16) is None and frozen.rate(1, 8) == pytest.approx(125.0)
+
+
+def test_calibration_budget_steps():
+    ctl = BudgetController((0, 4, 16, 64), CostTable())
+    assert ctl.calibration_budget(1) == 64  # the largest tree: no gain, no cost
+    ctl.observe(1, 64, [[1.0, 1.8, 2.2]], 0.040)
+    assert ctl.calibration_budget(1) == 0  # plain decoding untimed
+    ctl.observe(1, 0, None, 0.010)  # (a switch round: not timed)
+    assert ctl.calibration_budget(1) == 0
+    ctl.observe(1, 0, None, 0.010)
+    assert ctl.calibration_budget(1) == 16  # grid[1 + 3 // 2]: the middle tree, a second fit point
+    ctl.observe(1, 16, [[1.0, 1.8]], 0.018)
+    ctl.observe(1, 16, [[1.0, 1.8]], 0.018)
+    assert ctl.calibration_budget(1) is None  # 4 is read below 16 by the fit's slope: done
+    two = BudgetController((0, 8, 32), _set({0: 0.010, 32: 0.020}))
+    two.gain = {8: 1.0, 32: 2.0}
+    assert two.calibration_budget(1) == 8  # the middle (32) is timed already: the smallest tree
+    frozen = BudgetController(DEFAULT_GRID, _set({0: 0.010, 4: 0.030}, frozen=True))
+    assert frozen.calibration_budget(1) == 4  # the largest tree with a cost, not 64
+    frozen.gain = {2: 0.2, 4: 0.3}
+    assert frozen.calibration_budget(1) is None  # a frozen table times nothing else
+
+
+def test_scheduled_budget_repeat_then_trial_then_its_end():
+    ctl = BudgetController((0, 8), _set({0: 0.010, 8: 0.030}), trial_rounds=2)
+    ctl.gain = {8: 1.0}
+    st = ctl.state(1)
+    assert ctl.scheduled_budget(1, st) is None
+    st.repeat = 0
+    assert ctl.scheduled_budget(1, st) == 0 and st.repeat is None
+    st.trial = Trial(0, 8, rounds=1)
+    assert ctl.scheduled_budget(1, st) == 8 and st.trial is not None
+    st.trial.rounds = 2  # done: ended (won: nothing timed to compare) and nothing is due
+    assert ctl.scheduled_budget(1, st) is None and st.trial is None
+    assert ctl.trials == [(1, 0, 8, True)] and st.current == 8 and st.cost_now == 0.030 and st.age == 0
+
+
+def test_reread_switches_or_starts_a_trial_or_stays_in_the_regime():
+    # rates: plain 1 / 10 ms = 100, budget 8 (1 + 1) / 12 ms = 167 tokens/s
+    ctl = BudgetController((0, 8), _set({0: 0.010, 8: 0.012}))
+    ctl.gain = {8: 1.0}
+    st = ctl.state(1)
+    assert ctl.reread(1, st) is None and (st.current, st.cost_now, st.age) == (8, 0.012, 0)
+    st.current, st.age = 0, 6  # in plain decoding, with no raw plain times: switch at once
+    assert ctl.reread(1, st) is None and st.current == 8 and st.trial is None
+    for _ in range(4):  # four raw plain times: the switch goes on trial
+        ctl.costs.record(1, 0, 0.010)
+    st.current, st.age = 0, 6
+    assert ctl.reread(1, st) == 8 and st.trial == Trial(0, 8) and st.current == 0 and st.age == 0
+    st.trial, st.cooldown, ctl.rounds = None, 40, 39  # a failed trial lately: stay plain
+    assert ctl.reread(1, st) is None and st.current == 0 and st.cost_now == pytest.approx(0.010)
+    ctl.rounds = 40  # cool-down over
+    assert ctl.reread(1, st) == 8
+
+
+def _probing() -> BudgetController:
+    """Rates: plain 100, budget 4 (2.0 / 14 ms) 142.9, 16 (2.8 / 18 ms) 155.6, 64 (3.2 / 40 ms) 80."""
+    ctl = BudgetController((0, 4, 16, 64), _set({0: 0.010, 4: 0.014, 16: 0.018, 64: 0.040}))
+    ctl.gain = {4: 1.0, 16: 1.8, 64: 2.2}
+    return ctl
+
+
+def test_probe_kinds_up_across_down():
+    ctl = _probing()
+    assert ctl.probe_kinds(1, 16) == (64, 0, 4)
+    assert ctl.probe_kinds(1, 4) == (16, 0, None) and ctl.probe_kinds(1, 64) == (None, 0, 16)
+    # plain decoding wins: up from the best tree (16), across the tree timed longest ago
+    assert ctl.probe_kinds(1, 0) == (64, 4, None)  # set() stamps nothing: ties go to the first
+    ctl.costs.record(1, 4, 0.014)
+    ctl.costs.record(1, 64, 0.040)
+    assert ctl.probe_kinds(1, 0) == (64, 16, None)  # 16 was never timed by a round
+    ctl.costs.record(1, 16, 0.018)
+    assert ctl.probe_kinds(1, 0)[1] == 4
+    assert BudgetController((2, 8), _set({2: 0.01, 8: 0.02})).probe_kinds(1, 8) == (None, None, 2)
+
+
+def test_next_probe_turns_through_the_kinds():
+    ctl = _probing()
+    picks = []
+    for k in range(4):
+        ctl._explorations = k
+        picks.append(ctl.next_probe(1, 16))
+    assert picks == [64, 0, 4, 64]
+    ctl._explorations = 0
+    assert ctl.next_probe(1, 64) == 0  # no up: the next kind
+    no_plain = BudgetController((8, 16), _set({8: 0.01, 16: 0.02}))
+    no_plain._explorations = 1
+    assert no_plain.next_probe(1, 16) == 8 and no_plain.next_probe(1, 8) == 16
+    assert BudgetController((0, 8), CostTable()).next_probe(1, 8) == 0
+    assert BudgetController((8,), CostTable()).next_probe(1, 8) is None
+
+
+def test_probe_loss_by_hand():
+    ctl = _probing()
+    # 64 against 16: 40 ms x (1 - 80 / 155.6) = 40 ms x (1 - 1.44 / 2.8)
+    assert ctl.probe_loss(1, 64, 16) == pytest.approx(0.040 * (1 - 1.44 / 2.8))
+    # plain decoding against 16: two rounds of 10 ms x (1 - 100 / 155.6)
+    assert ctl.probe_loss(1, 0, 16) == pytest.approx(2 * 0.010 * (1 - 1.8 / 2.8))
+    assert ctl.probe_loss(1, 16, 4) == 0.0  # a faster probe loses nothing
+    assert ctl.probe_loss(1, 4, 0) == pytest.approx(0.0)  # and across, twice nothing
+
+
+def test_take_probe_is_paid_from_the_allowance():
+    ctl = _probing()
+    st = ctl.state(1)
+    st.current = 16
+    loss = 0.040 * (1 - 1.44 / 2.8)
+    ctl.allowance = loss * 0.99
+    assert ctl.take_probe(1, st) is None and ctl.allowance == loss * 0.99 and ctl._explorations == 0
+    ctl.allowance, ctl._since = 0.05, 7
+    assert ctl.take_probe(1, st) == 64 and st.repeat is None
+    assert ctl.allowance == pytest.approx(0.05 - loss) and ctl._since == 0 and ctl._explorations == 1
+    assert ctl.take_probe(1, st) == 0 and st.repeat == 0  # across: its second round is scheduled
+    assert ctl.allowance == pytest.approx(0.05 - loss - 2 * 0.010 * (1 - 1.8 / 2.8))
+    frozen = BudgetController((0, 8, 16), _set({0: 0.010, 8: 0.012}, frozen=True))
+    frozen.gain = {8: 1.0, 16: 1.5}
+    frozen.allowance = 1.0
+    frozen.state(1).current = 8
+    assert frozen.take_probe(1, frozen.state(1)) is None  # 16: no cost in the table, no probe
+
+
+def test_regime_before_and_trial_won():
+    ctl = BudgetController((0, 8), CostTable())
+    for s in (0.010, 0.012, 0.011):
+        ctl.costs.record(1, 0, s)
+    assert ctl.regime_before(1, 0) is None  # fewer than 4 raw times
+    for s in (0.009, 0.030, 0.010, 0.010, 0.008, 0.010, 0.020):
+        ctl.costs.record(1, 0, s)
+    assert ctl.regime_before(1, 0) == pytest.approx(0.010)  # the median of the last 8 raw times
+    ctl.gain = {8: 1.0}
+    # 2.5 tokens / 20 ms (median) = 125 tokens/s against 1 / 10 ms x 1.1 = 110
+    trial = Trial(0, 8, rounds=4, seconds=[0.020, 0.019, 0.030], tokens=[2.0, 2.5, 3.0])
+    assert ctl.trial_won(1, trial)
+    ctl.regime_margin = 0.3  # against 130
+    assert not ctl.trial_won(1, trial)
+    assert ctl.trial_won(1, Trial(0, 8, rounds=1))  # nothing timed: kept
+    ctl.costs.frozen = True
+    assert ctl.regime_before(1, 0) is None and ctl.trial_won(1, trial)
+
+
+def test_back_off_rounds_double_up_to_1024():
+    assert [BudgetController.back_off_rounds(f) for f in (1, 2, 3, 4, 5, 6, 7, 20)] == \
+        [32, 64, 128, 256, 512, 1024, 1024, 1024]
+
+
+def test_end_trial_keeps_a_winner_and_backs_off_a_loser():
+    ctl = BudgetController((0, 8), _set({0: 0.010, 8: 0.030}), regime_margin=0.1)
+    ctl.gain = {8: 1.0}
+    for _ in range(4):
+        ctl.costs.record(1, 0, 0.010)
+    st = ctl.state(1)
+    st.current, st.failures, ctl.rounds = 0, 1, 100
+    st.trial = Trial(0, 8, rounds=5, seconds=[0.030] * 4, tokens=[2.0] * 4)  # 67 tokens/s < 110
+    ctl.end_trial(1, st)
+    assert st.trial is None and ctl.trials == [(1, 0, 8, False)] and st.failures == 2
+    assert st.cooldown == 100 + 64 and (st.current, st.cost_now, st.age) == (0, pytest.approx(0.010), 0)
+    st.trial = Trial(0, 8, rounds=5, seconds=[0.015] * 4, tokens=[2.0] * 4)  # 133 tokens/s > 110
+    ctl.end_trial(1, st)
+    assert ctl.trials[-1] == (1, 0, 8, True) and st.failures == 0 and st.cooldown == 164
+    assert (st.current, st.cost_now) == (8, 0.030)
+
+
+def test_trial_record_leaves_the_first_round_out():
+    t = Trial(0, 8)
+    t.record(0.5, [[1.0, 2.0]])
+    t.record(0.02, [[1.0, 2.0], [0.5, 1.0]])
+    t.record(0.03, None)
+    assert t.rounds == 3 and t.seconds == [0.02, 0.03] and t.tokens == [2.5, 1.0]
+
+
+def test_observe_times_no_switch_round_and_feeds_the_trial():
+    ctl = BudgetController((0, 8), CostTable())
+    ctl.observe(1, 0, None, 0.010)
+    ctl.observe(1, 8, [[1.0]], 0.050)  # the first tree round after plain ones: not timed
+    assert ctl.costs.counts == {1: {0: 1}} and ctl.gain == {8: 1.0}
+    ctl.observe(1, 8, [[1.0]], 0.020)
+    assert ctl.costs.counts == {1: {0: 1, 8: 1}}
+    ctl.state(1).trial = Trial(0, 8)
+    ctl.observe(1, 0, None, 0.010)  # not the trial's budget
+    ctl.observe(1, 8, [[1.0]], 0.05)
+    ctl.observe(1, 8, [[3.0]], 0.02)
+    assert ctl.state(1).trial == Trial(0, 8, rounds=2, seconds=[0.02], tokens=[4.0])
+
+
+def test_learn_gains_by_hand():
+    ctl = BudgetController((0, 8, 16, 64), CostTable(), alpha=0.5)
+    ctl.learn_gains(16, [[1.0, 1.5], [2.0, 2.5]])  # means 1.5, 2.0: steps 1.5, 0.5
+    assert ctl.gain == {8: 1.5, 16: 2.0}  # 64 never observed: no gain
+    ctl.learn_gains(8, [[0.5]])  # step 8, its 2nd round: weight max(0.5, 1/2) -> 0.5 x 1.5 + 0.5 x 0.5
+    assert ctl.gain == {8: 1.0, 16: 1.5}
+    # steps of a 64 round: 8 -> 1.0 (3rd, weight 0.5: 1.0), 16 -> max(0, 0.8 - 1.0) = 0 (2nd: 0.25),
+    # 64 -> 3.0 - 0.8 = 2.2 (1st)
+    ctl.learn_gains(64, [[1.0, 0.8, 3.0]])
+    assert ctl.gain == pytest.approx({8: 1.0, 16: 1.25, 64: 3.45})
 
 
 # --------------------------------------------------------------------------- the runtime

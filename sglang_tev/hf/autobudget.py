@@ -49,7 +49,7 @@ from typing import Iterable, Sequence
 
 from ..spec import AUTO, MAX_BUDGET  # the largest budget anywhere, cost tables included
 
-__all__ = ["AUTO", "DEFAULT_GRID", "MAX_BUDGET", "CostTable", "BudgetController"]
+__all__ = ["AUTO", "DEFAULT_GRID", "MAX_BUDGET", "CostTable", "BudgetController", "BatchSizeState", "Trial"]
 
 DEFAULT_GRID = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 """Budgets ``budget="auto"`` chooses from (0 = a plain decoding round). The largest is the
@@ -262,6 +262,59 @@ class CostTable:
         return cls.from_json(data.get("cost_table", data), frozen=frozen)
 
 
+@dataclass
+class Trial:
+    """A switch between plain decoding and the trees on trial (:meth:`BudgetController.end_trial`).
+
+    Attributes:
+        source: the budget in use before the switch; ``target``: the budget on trial.
+        rounds: rounds of ``target`` observed since the trial began.
+        seconds, tokens: raw seconds and expected tokens (1 + the mean row's coverage) of those
+            rounds, the first left out (it pays for the switch).
+    """
+
+    source: int
+    target: int
+    rounds: int = 0
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+
+    def record(self, seconds: float, rows: list[list[float]] | None) -> None:
+        """Count one verified round of ``target``; from the second on, keep its time and tokens."""
+        self.rounds += 1
+        if self.rounds > 1:
+            self.seconds.append(seconds)
+            self.tokens.append(1.0 + (statistics.fmean(r[-1] for r in rows) if rows else 0.0))
+
+
+@dataclass
+class BatchSizeState:
+    """What :class:`BudgetController` keeps per batch size (the gains are shared by all sizes,
+    the costs live in the :class:`CostTable`).
+
+    Attributes:
+        calibrated: past calibration (costs and gains, once known, stay known).
+        current: the budget in use; ``cost_now``: its cost when last read (the allowance grows
+            by it). None before the first read.
+        age: rounds since the choice was read (None before the first read; 0 right after a read,
+            a trial's start or end: only such a round may start a probe).
+        trial: the regime switch on trial; ``repeat``: an across probe's second round, due next.
+        last: the budget of the last observed round.
+        cooldown: no trial before this round (of :attr:`BudgetController.rounds`); ``failures``:
+            trials failed in a row.
+    """
+
+    calibrated: bool = False
+    current: int | None = None
+    cost_now: float | None = None
+    age: int | None = None
+    trial: Trial | None = None
+    repeat: int | None = None
+    last: int | None = None
+    cooldown: int = 0
+    failures: int = 0
+
+
 class BudgetController:
     """The budget choice (see the module docstring). A generator keeps one per target law (greedy,
     or sampled at a temperature), so a later call starts from what earlier calls learned.
@@ -290,6 +343,10 @@ class BudgetController:
             its choices stay a function of the table (seeded runs repeat).
 
     Attributes:
+        gain: ``{budget: mean accepted draft tokens}`` (shared by every batch size).
+        batches: ``{batch size: BatchSizeState}`` (:meth:`state`).
+        allowance: seconds (table scale) probes may still lose.
+        rounds: choices made after calibration (trial cool-downs count in them).
         history: ``(batch, budget)`` of every round, for reports and tests.
         trials: ``(batch, from, to, kept)`` of the last 1,000 regime trials.
     """
@@ -299,38 +356,38 @@ class BudgetController:
         g = sorted(set(int(x) for x in grid))
         if not g or g[0] < 0 or g[-1] < 1:
             raise ValueError(f"grid: budgets >= 0 with at least one > 0, got {list(grid)!r}")
-        self.grid, self.costs = g, costs
-        self.alpha, self.margin, self.regime_margin = alpha, margin, regime_margin
-        self.gain: dict[int, float] = {}          # budget -> mean accepted draft tokens
-        self._n: dict[int, int] = {}
-        self._inc: dict[int, float] = {}          # budget -> its gain over the next smaller grid budget
         if not 0 <= explore_share < 1:
             raise ValueError(f"explore_share must be in [0, 1), got {explore_share!r}")
         if min_gap < 1:
             raise ValueError(f"min_gap must be >= 1, got {min_gap!r}")
-        self.explore_share, self.min_gap = explore_share, int(min_gap)
-        self.allowance = 0.0                       # seconds (table scale) probes may still lose
-        self._since, self._explorations = 0, 0
-        self._current: dict[int, int] = {}        # batch -> budget in use
-        self._cost_now: dict[int, float] = {}     # batch -> its cost when last read
-        self._age: dict[int, int] = {}            # batch -> rounds since the choice was read
         if trial_rounds < 2:
             raise ValueError(f"trial_rounds must be >= 2, got {trial_rounds!r}")
-        self.trial_rounds = int(trial_rounds)
-        self.rounds = 0                           # choices made (trial cool-downs count in them)
-        self._trial: dict[int, dict] = {}         # batch -> the regime switch on trial
-        self._repeat: dict[int, int] = {}         # batch -> an across probe's second round, next
-        self._last: dict[int, int] = {}           # batch -> the budget of its last round
-        self._cooldown: dict[int, int] = {}       # batch -> no trial before this round
-        self._failures: dict[int, int] = {}       # batch -> trials failed in a row
-        self.trials: list[tuple[int, int, int, bool]] = []  # (batch, from, to, kept), for reports and tests
-        self._calibrated: set[int] = set()        # batch sizes past calibration
+        self.grid, self.costs = g, costs
+        self.alpha, self.margin, self.regime_margin = alpha, margin, regime_margin
+        self.explore_share, self.min_gap, self.trial_rounds = explore_share, int(min_gap), int(trial_rounds)
+        self.gain: dict[int, float] = {}
+        self._n: dict[int, int] = {}              # budget -> rounds that observed it
+        self._inc: dict[int, float] = {}          # budget -> its gain over the next smaller grid budget
+        self.allowance = 0.0
+        self._since = 0                           # re-reading rounds since the last probe (all sizes)
+        self._explorations = 0                    # probes so far: their kind turns with it
+        self.rounds = 0
+        self.batches: dict[int, BatchSizeState] = {}
+        self.trials: list[tuple[int, int, int, bool]] = []
         self.history: list[tuple[int, int]] = []
 
     @property
     def max_budget(self) -> int:
         return self.grid[-1]
 
+    def state(self, batch: int) -> BatchSizeState:
+        """This batch size's state (a fresh one on first use)."""
+        st = self.batches.get(batch)
+        if st is None:
+            st = self.batches[batch] = BatchSizeState()
+        return st
+
+    # ------------------------------------------------------------------ value estimates
     def expected_tokens(self, budget: int) -> float | None:
         """1 + E[accepted | budget] from past rounds (1 for plain decoding), None if unobserved."""
         if budget == 0:
@@ -347,6 +404,11 @@ class BudgetController:
         e, c = self.expected_tokens(budget), self.costs.cost(batch, budget)
         return None if e is None or c is None else e / c
 
+    def _rates(self, batch: int, budgets) -> dict[int, float]:
+        """``{budget: rate}`` of the budgets whose rate is known (ties go to the smaller budget
+        in both argmaxes over it)."""
+        return {b: r for b in budgets if (r := self.rate(batch, b)) is not None}
+
     def best(self, batch: int, regime: int | None = None) -> int | None:
         """The budget of highest known rate, keeping the current one unless beaten by ``margin``
         (``regime_margin`` between plain decoding and a tree); with ``regime`` only the budgets
@@ -356,86 +418,106 @@ class BudgetController:
         if not known:
             return None
         top = max(known, key=lambda b: (known[b], -b))
-        cur = self._current.get(batch)
+        cur = self.state(batch).current
         if cur in known:
             margin = self.regime_margin if (cur == 0) != (top == 0) else self.margin
             if known[top] <= known[cur] * (1 + margin):
                 return cur
         return top
 
+    def best_tree(self, batch: int) -> int:
+        """The tree budget (> 0) of highest known rate (the largest budget while none is known)."""
+        known = self._rates(batch, [b for b in self.grid if b > 0])
+        return max(known, key=lambda b: (known[b], -b)) if known else self.max_budget
+
+    # ------------------------------------------------------------------ the choice
     def choose(self, batch: int) -> int:
         """The budget of the next round at this batch size (0: a plain decoding round).
 
-        Calibration first: the largest tree (it observes every smaller budget's gain), plain
-        decoding, the middle of the grid (a second point of the cost fit), each until timed.
-        Then the best known rate (:meth:`best`, re-read every ``min_gap`` rounds), or a probe
-        (:meth:`_next_probe`: up, across, down in turn) when the exploration allowance covers
-        what it is expected to lose (``explore_share``). Costs drift with the machine's load: a
-        cost timed in a slow minute would otherwise never be re-read."""
-        if batch not in self._calibrated:
-            # a frozen table never times a round: calibrate over the budgets it holds
-            costed = [b for b in self.grid if b > 0 and self.costs.cost(batch, b) is not None]
-            top = max(costed) if self.costs.frozen and costed else self.max_budget
-            if top not in self.gain or self.costs.cost(batch, top) is None:
-                return self._log(batch, top)
-            if 0 in self.grid and self.costs.cost(batch, 0) is None and not self.costs.frozen:
-                return self._log(batch, 0)
-            positive = [b for b in self.grid if b > 0]
-            if any(self.costs.cost(batch, b) is None for b in positive) and not self.costs.frozen:
-                mid = positive[len(positive) // 2]
-                return self._log(batch, mid if not self.costs.measured(batch, mid) else positive[0])
-            self._calibrated.add(batch)  # costs and gains, once known, stay known
+        In order: calibration (:meth:`calibration_budget`); a round already committed to
+        (:meth:`scheduled_budget`); every ``min_gap`` rounds a re-read choice (:meth:`reread`,
+        which may start a trial); then the choice, or, in a round that re-read it, a probe
+        paid from the allowance (:meth:`take_probe`; the allowance grows by ``explore_share``
+        of the choice's cost a round: costs drift with the load, so they must be re-timed)."""
+        st = self.state(batch)
+        if not st.calibrated:
+            b = self.calibration_budget(batch)
+            if b is not None:
+                return self._log(batch, b)
+            st.calibrated = True
         self.rounds += 1
-        again = self._repeat.pop(batch, None)
-        if again is not None:  # an across probe's second round: the one its cost is read from
-            return self._log(batch, again)
-        trial = self._trial.get(batch)
-        if trial is not None:
-            if trial["n"] < self.trial_rounds:
-                return self._log(batch, trial["to"])
-            self._end_trial(batch)
+        b = self.scheduled_budget(batch, st)
+        if b is not None:
+            return self._log(batch, b)
         self._since += 1
-        age = self._age.get(batch)
-        if age is None or age >= self.min_gap:
+        if st.age is None or st.age >= self.min_gap:
             # re-read every min_gap rounds: gains and costs move slowly, and reading every
             # budget's rate costs ~1 % of a small model's plain round
-            cur, top = self._current.get(batch), self.best(batch)
-            if cur is not None and top is not None and (cur == 0) != (top == 0):
-                if self.rounds < self._cooldown.get(batch, 0):  # a trial failed lately: stay
-                    top = self.best(batch, regime=cur)
-                elif self._before(batch, cur) is not None:
-                    # the other regime's costs come from rare probes, each in its own minute:
-                    # try it for a few rounds, then compare both in the same minute
-                    self._trial[batch] = {"from": cur, "to": top, "n": 0, "seconds": [], "tokens": []}
-                    self._age[batch] = 0
-                    return self._log(batch, top)
-            self._current[batch] = top
-            self._cost_now[batch] = self.costs.cost(batch, top)
-            age = 0
-        self._age[batch] = age + 1
-        best = self._current[batch]
-        self.allowance += self.explore_share * self._cost_now[batch]
+            b = self.reread(batch, st)
+            if b is not None:
+                return self._log(batch, b)
+        age, st.age = st.age, st.age + 1
+        self.allowance += self.explore_share * st.cost_now
         if self._since < self.min_gap or age:
-            return self._log(batch, best)
-        probe = self._next_probe(batch, best)
-        probe_rate = None if probe is None else self.rate(batch, probe)
-        if probe_rate is None:  # nothing to probe, or (a frozen table) no cost for it
-            return self._log(batch, best)
-        across = (probe == 0) != (best == 0)  # an across probe runs two rounds (see observe)
-        loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - probe_rate / self.rate(batch, best))
-        loss *= 2 if across else 1
-        if loss > self.allowance:
-            return self._log(batch, best)
-        self.allowance -= loss
-        self._since = 0
-        self._explorations += 1
-        if across:
-            self._repeat[batch] = probe  # its first round pays the switch (see observe)
-        return self._log(batch, probe)
+            return self._log(batch, st.current)
+        probe = self.take_probe(batch, st)
+        return self._log(batch, st.current if probe is None else probe)
 
-    def _next_probe(self, batch: int, best: int) -> int | None:
-        """The probe the next exploration would run: up, across and down in turn (the next kind
-        when one has nothing to probe); None when none has.
+    def calibration_budget(self, batch: int) -> int | None:
+        """The next calibration round's budget, None once calibrated: the largest tree until its
+        gain and cost are known (it observes every smaller budget's gain), plain decoding until
+        timed, then the middle of the grid (a second point of the cost fit; the smallest tree
+        once the middle is timed) while some tree has no cost. A frozen table never times a
+        round: it calibrates over the budgets it holds (the largest with a cost) only."""
+        costed = [b for b in self.grid if b > 0 and self.costs.cost(batch, b) is not None]
+        top = max(costed) if self.costs.frozen and costed else self.max_budget
+        if top not in self.gain or self.costs.cost(batch, top) is None:
+            return top
+        if 0 in self.grid and self.costs.cost(batch, 0) is None and not self.costs.frozen:
+            return 0
+        positive = [b for b in self.grid if b > 0]
+        if any(self.costs.cost(batch, b) is None for b in positive) and not self.costs.frozen:
+            mid = positive[len(positive) // 2]
+            return mid if not self.costs.measured(batch, mid) else positive[0]
+        return None
+
+    def scheduled_budget(self, batch: int, st: BatchSizeState) -> int | None:
+        """A round already committed to: an across probe's second round (the one its cost is read
+        from), else a running trial's next round; a trial whose ``trial_rounds`` are done is
+        ended here (:meth:`end_trial`). None when nothing is due."""
+        if st.repeat is not None:
+            b, st.repeat = st.repeat, None
+            return b
+        if st.trial is not None:
+            if st.trial.rounds < self.trial_rounds:
+                return st.trial.target
+            self.end_trial(batch, st)
+        return None
+
+    def reread(self, batch: int, st: BatchSizeState) -> int | None:
+        """Re-read the choice (:meth:`best`) into ``st.current`` / ``st.cost_now`` (age 0). A
+        switch between plain decoding and the trees is not taken at once: during a cool-down
+        (:meth:`back_off_rounds`) the best of the current regime stays; otherwise, once the regime
+        in use has recent raw times (:meth:`regime_before`), the switch starts on trial and its
+        budget is returned (the other regime's costs come from rare probes, each in its own
+        minute: try it for a few rounds, then compare both in the same minute). None otherwise."""
+        cur, top = st.current, self.best(batch)
+        if cur is not None and top is not None and (cur == 0) != (top == 0):
+            if self.rounds < st.cooldown:  # a trial failed lately: stay
+                top = self.best(batch, regime=cur)
+            elif self.regime_before(batch, cur) is not None:
+                st.trial = Trial(cur, top)
+                st.age = 0
+                return top
+        st.current = top
+        st.cost_now = self.costs.cost(batch, top)
+        st.age = 0
+        return None
+
+    # ------------------------------------------------------------------ probes
+    def probe_kinds(self, batch: int, best: int) -> tuple[int | None, int | None, int | None]:
+        """The candidate probes ``(up, across, down)`` around the choice ``best`` (None: none of
+        that kind).
 
         * up (gains): the next larger budget than the best tree; it observes the gains of every
           budget up to it (larger ones follow through their increments);
@@ -453,52 +535,88 @@ class BudgetController:
             timed = [b for b in self.grid if b > 0 and self.costs.measured(batch, b)] or [tree]
             across = min(timed, key=lambda b: self.costs.last.get((batch, b), -1))
         down = smaller[-1] if smaller else None
-        kinds = (up, across, down)
+        return up, across, down
+
+    def next_probe(self, batch: int, best: int) -> int | None:
+        """The probe the next exploration would run: of :meth:`probe_kinds`, the kind whose turn
+        it is (up, across, down by the count of probes so far), the next kind when one has none
+        (or only ``best``); None when none has."""
+        kinds = self.probe_kinds(batch, best)
         k = self._explorations % 3
         return next((p for p in kinds[k:] + kinds[:k] if p is not None and p != best), None)
 
-    def _before(self, batch: int, budget: int) -> float | None:
+    def probe_loss(self, batch: int, probe: int, best: int) -> float:
+        """The seconds (table scale) a probe is expected to lose against ``best``: its cost times
+        one minus its rate over best's (0 for a faster probe), twice for an across probe (it runs
+        two rounds). Both rates must be known."""
+        loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - self.rate(batch, probe) / self.rate(batch, best))
+        loss *= 2 if (probe == 0) != (best == 0) else 1
+        return loss
+
+    def take_probe(self, batch: int, st: BatchSizeState) -> int | None:
+        """The probe this round runs, paid from the allowance (:meth:`next_probe`,
+        :meth:`probe_loss`); an across probe's second round is scheduled (``st.repeat``: its
+        first round pays for the switch, see :meth:`observe`). None (nothing charged) when there
+        is nothing to probe, its rate is unknown (a frozen table without its cost) or the
+        allowance does not cover its loss."""
+        best = st.current
+        probe = self.next_probe(batch, best)
+        if probe is None or self.rate(batch, probe) is None:
+            return None
+        loss = self.probe_loss(batch, probe, best)
+        if loss > self.allowance:
+            return None
+        self.allowance -= loss
+        self._since = 0
+        self._explorations += 1
+        if (probe == 0) != (best == 0):
+            st.repeat = probe
+        return probe
+
+    # ------------------------------------------------------------------ trials
+    def regime_before(self, batch: int, budget: int) -> float | None:
         """The median raw seconds of the last rounds of (batch, budget) (the regime in use, just
         before a trial), None while fewer than 4 (or the table is frozen: no trial then)."""
         raw = self.costs.raw(batch, budget)
         return statistics.median(raw[-8:]) if len(raw) >= 4 and not self.costs.frozen else None
 
-    def _end_trial(self, batch: int) -> None:
-        """Keep the trial's budget when its tokens per second over the trial rounds (the
-        first left out: it pays for the switch) beat the regime before it over its last rounds
-        by ``regime_margin``, both raw times of the same minute; else go back and wait before the
-        next trial (32 rounds, doubling with each failure in a row up to 1024)."""
-        t = self._trial.pop(batch)
-        before = self._before(batch, t["from"])
-        won = True
-        if t["seconds"] and before is not None and self.expected_tokens(t["from"]) is not None:
-            rate_to = statistics.fmean(t["tokens"]) / statistics.median(t["seconds"])
-            # by the regime margin, as the table had to: a few rounds of a noisy minute decide it
-            won = rate_to > self.expected_tokens(t["from"]) / before * (1 + self.regime_margin)
-        self.trials.append((batch, t["from"], t["to"], won))
+    def trial_won(self, batch: int, trial: Trial) -> bool:
+        """Whether the trial's tokens per second (mean tokens over the median of its raw seconds)
+        beat the regime before it (:meth:`regime_before`) by ``regime_margin``, both raw times of
+        the same minute (by the regime margin, as the table had to: a few rounds of a noisy minute
+        decide it). Won when either side has nothing to compare."""
+        before = self.regime_before(batch, trial.source)
+        if not trial.seconds or before is None or self.expected_tokens(trial.source) is None:
+            return True
+        rate_to = statistics.fmean(trial.tokens) / statistics.median(trial.seconds)
+        return rate_to > self.expected_tokens(trial.source) / before * (1 + self.regime_margin)
+
+    @staticmethod
+    def back_off_rounds(failures: int) -> int:
+        """Rounds to wait after the ``failures``-th failed trial in a row: 32, doubling with each
+        failure, five doublings at most (1,024)."""
+        return 32 << min(5, failures - 1)
+
+    def end_trial(self, batch: int, st: BatchSizeState) -> None:
+        """Keep the trial's budget when it won (:meth:`trial_won`), else go back and wait before
+        the next trial (:meth:`back_off_rounds`); the choice counts as just read (age 0)."""
+        t, st.trial = st.trial, None
+        won = self.trial_won(batch, t)
+        self.trials.append((batch, t.source, t.target, won))
         del self.trials[:-1000]
-        self._failures[batch] = 0 if won else self._failures.get(batch, 0) + 1
+        st.failures = 0 if won else st.failures + 1
         if not won:
-            self._cooldown[batch] = self.rounds + (32 << min(5, self._failures[batch] - 1))  # five doublings at most
-        keep = t["to"] if won else t["from"]
-        self._current[batch] = keep
-        self._cost_now[batch] = self.costs.cost(batch, keep)
-        self._age[batch] = 0
-
-    def best_tree(self, batch: int) -> int:
-        """The tree budget (> 0) of highest known rate (the largest budget while none is known)."""
-        known = self._rates(batch, [b for b in self.grid if b > 0])
-        return max(known, key=lambda b: (known[b], -b)) if known else self.max_budget
-
-    def _rates(self, batch: int, budgets) -> dict[int, float]:
-        """``{budget: rate}`` of the budgets whose rate is known (ties go to the smaller budget
-        in both argmaxes over it)."""
-        return {b: r for b in budgets if (r := self.rate(batch, b)) is not None}
+            st.cooldown = self.rounds + self.back_off_rounds(st.failures)
+        keep = t.target if won else t.source
+        st.current = keep
+        st.cost_now = self.costs.cost(batch, keep)
+        st.age = 0
 
     def _log(self, batch: int, budget: int) -> int:
         self.history.append((batch, budget))
         return budget
 
+    # ------------------------------------------------------------------ feedback
     def observe(self, batch: int, budget: int, reach_cum: Iterable[Sequence[float]] | None, seconds: float) -> None:
         """Feed back a verified round.
 
@@ -508,8 +626,8 @@ class BudgetController:
                 ``0 < B' <= budget`` in increasing order (:meth:`grid_upto`); None for a plain round.
             seconds: the round's wall time.
         """
-        last = self._last.get(batch)
-        self._last[batch] = budget
+        st = self.state(batch)
+        last, st.last = st.last, budget
         # the first round after a switch between plain decoding and the trees also pays for the
         # switch (the kept drafter context written, the mask buffers moved): up to a fifth of a
         # batch-8 plain round here, which would bias every single-round probe against the other
@@ -517,30 +635,32 @@ class BudgetController:
         if last is None or (last == 0) == (budget == 0):
             self.costs.record(batch, budget, seconds)
         rows = [list(r) for r in reach_cum] if reach_cum else None
-        trial = self._trial.get(batch)
-        if trial is not None and budget == trial["to"]:
-            trial["n"] += 1
-            if trial["n"] > 1:
-                trial["seconds"].append(seconds)
-                trial["tokens"].append(1.0 + (statistics.fmean(r[-1] for r in rows) if rows else 0.0))
+        if st.trial is not None and budget == st.trial.target:
+            st.trial.record(seconds, rows)
         if rows:
-            prev = 0.0
-            for j, b in enumerate(self.grid_upto(budget)):
-                mean = sum(r[j] for r in rows) / len(rows)
-                n = self._n.get(b, 0) + 1
-                self._n[b] = n
-                w = max(self.alpha, 1.0 / n)
-                # per grid step, what the budget adds over the next smaller one: a larger budget
-                # is observed less often (probes), but its gain moves with the smaller budgets'
-                # fresh ones instead of keeping a stale level, and never falls below them
-                self._inc[b] = (1 - w) * self._inc.get(b, 0.0) + w * max(0.0, mean - prev)
-                prev = mean
-            total = 0.0
-            for b in self.grid_upto(self.max_budget):
-                if b not in self._inc:
-                    break
-                total += self._inc[b]
-                self.gain[b] = total
+            self.learn_gains(budget, rows)
+
+    def learn_gains(self, budget: int, rows: list[list[float]]) -> None:
+        """Fold one round's per-row coverages (``rows[r][j]``: at ``grid_upto(budget)[j]``) into
+        the gains. Per grid step, what the budget adds over the next smaller one (clipped at 0)
+        is a running mean, an EMA of weight ``alpha`` after ``1 / alpha`` rounds; a budget's gain
+        is the sum of the steps up to it, so a larger budget, observed less often (probes), moves
+        with the smaller budgets' fresh gains instead of keeping a stale level, and never falls
+        below them. Gains stop at the first step never observed."""
+        prev = 0.0
+        for j, b in enumerate(self.grid_upto(budget)):
+            mean = sum(r[j] for r in rows) / len(rows)
+            n = self._n.get(b, 0) + 1
+            self._n[b] = n
+            w = max(self.alpha, 1.0 / n)
+            self._inc[b] = (1 - w) * self._inc.get(b, 0.0) + w * max(0.0, mean - prev)
+            prev = mean
+        total = 0.0
+        for b in self.grid_upto(self.max_budget):
+            if b not in self._inc:
+                break
+            total += self._inc[b]
+            self.gain[b] = total
 
     def grid_upto(self, budget: int) -> list[int]:
         """The grid budgets in (0, budget]: the sub-budgets a round of ``budget`` observes."""
