@@ -176,7 +176,9 @@ def test_generate_bad_input_exits_2_naming_the_argument(capsys, tmp_path, pair, 
 
 
 def test_default_model_paths(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "ASSETS_DIR", tmp_path / "tiny-code")
+    from sglang_tev.cli import common  # default_model_paths reads ASSETS_DIR there
+
+    monkeypatch.setattr(common, "ASSETS_DIR", tmp_path / "tiny-code")
     with pytest.raises(FileNotFoundError, match="no --target given and the shipped model pair is not installed at"):
         default_model_paths()
     assert main(["generate", "hello"]) == 2
