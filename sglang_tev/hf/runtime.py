@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..env import check_environment
 from ..sampling import SamplingParams
 from ..spec import (AUTO, DRAFT_MODES, GENERATION_METHODS, MAX_BUDGET, VERIFIERS, SpecError, check_budget,
                     greedy_temperature, resolve_draft_mode)
@@ -138,6 +139,8 @@ class SpeculativeGenerator:
     in one call instead of calling from many threads.
 
     Raises:
+        sglang_tev.env.EnvError (a ValueError): an ``SGLANG_TEV_*`` variable in the environment
+        that sglang-tev does not know (``docs/env.md``; the closest known name is suggested).
         ValueError: a DFlash drafter that does not fit the target (hidden size, vocabulary,
         target_layer_ids, mask token); a target with attention layers the runtime cannot serve
         (layer types other than full and sliding attention); ``cuda_graphs`` on a non-CUDA target
@@ -149,6 +152,7 @@ class SpeculativeGenerator:
         from .dflash_runner import StaticDFlashDrafter
         from .drafters import DFlashDrafter, SequenceDrafterAdapter
 
+        check_environment()  # an unknown SGLANG_TEV_* name (a typo) is refused, not ignored
         self.target = target.eval()
         self.tokenizer = tokenizer
         self._target = TargetModel(self.target)  # cache keyword, attention layout, mask format, forward
@@ -209,13 +213,15 @@ class SpeculativeGenerator:
             options: ``static_shapes`` / ``cuda_graphs`` (see the class).
         Raises:
             FileNotFoundError / ValueError naming ``target`` or ``draft``; ValueError when the
-            drafter does not fit the target or ``target`` is a DFlash drafter directory.
+            drafter does not fit the target or ``target`` is a DFlash drafter directory;
+            :class:`~sglang_tev.env.EnvError` for an unknown ``SGLANG_TEV_*`` variable.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from ..draft.dflash import DFlashDraftModel, is_dflash_checkpoint
         from .drafters import DFlashDrafter
 
+        check_environment()  # before loading anything (the constructor checks again: cheap)
         _path_error("target", target)
         if draft is not None:
             _path_error("draft", draft)

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 
+from .. import env as _env
 from ..atomic import atomic_path
 
 __all__ = ["native", "native_builder", "HMAX"]
@@ -42,7 +43,7 @@ _tried = False
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("SGLANG_TEV_CACHE")
+    base = _env.get(_env.CACHE)  # None when unset or empty
     if not base:
         base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
                             "sglang_tev")
@@ -61,7 +62,7 @@ def _compiler() -> list[str] | None:
 
 
 def _disabled() -> bool:
-    return os.environ.get("SGLANG_TEV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+    return not _env.get(_env.NATIVE)
 
 
 def _build() -> ctypes.CDLL | None:

@@ -11,6 +11,8 @@ rides on existing fields (``../shared/notes/sglang-0.5.23-internals.md`` §1.5):
     SGLANG_TEV_DFLASH2_MODE         lattice | marginal   DFlash2 drafters only (default: lattice
                                                 when the checkpoint has a selector; ``srt/dflash2.py``)
 
+The variables are declared and parsed in :mod:`sglang_tev.env` (``docs/env.md``).
+
 This module does not import sglang: :func:`resolve_server_args` works on any object with the
 ``ServerArgs`` attribute names, in particular the ``_ForeignDefaults`` stand-in SGLang hands to a
 plugin's ``handle_server_args``, where plain attribute writes to real fields become resolution
@@ -25,6 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from .. import env as _env
 from .kv_headroom import overlap_reserve_need
 
 __all__ = [
@@ -93,11 +96,11 @@ from ..spec import SGLANG_MAX_TREE_SIZE as MAX_TREE_SIZE  # noqa: E402  (N <= 10
 DEFAULT_TREE_SIZE = 65
 """N when ``--speculative-num-draft-tokens`` is not given: a budget of B = 64 drafted nodes."""
 
-ENV_VERIFIER = "SGLANG_TEV_VERIFIER"
-ENV_TOPK = "SGLANG_TEV_TOPK"
-ENV_DFLASH2_MODE = "SGLANG_TEV_DFLASH2_MODE"
+ENV_VERIFIER = _env.VERIFIER
+ENV_TOPK = _env.TOPK
+ENV_DFLASH2_MODE = _env.DFLASH2_MODE
 
-DFLASH2_MODES = ("lattice", "marginal")
+DFLASH2_MODES = _env.DFLASH2_MODES
 """Draft modes of a DFlash2 drafter (``SGLANG_TEV_DFLASH2_MODE``): the selector lattice into a
 lattice tree, or the transformed full-vocabulary marginals into DDTree (selector ignored)."""
 
@@ -144,23 +147,10 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> tuple[str, Optional
     Returns:
         (verifier, topk or None when unset).
     Raises:
-        ValueError naming the variable: a verifier outside :data:`VERIFIERS`, a top-k that is not an
-        integer >= 1.
+        :class:`~sglang_tev.env.EnvError` (a ValueError) naming the variable: a verifier outside
+        :data:`VERIFIERS`, a top-k that is not an integer >= 1 (parsed by :mod:`sglang_tev.env`).
     """
-    env = os.environ if environ is None else environ
-    verifier = env.get(ENV_VERIFIER, "tev").strip().lower() or "tev"
-    if verifier not in VERIFIERS:
-        raise ValueError(f"TEV: {ENV_VERIFIER} must be one of {VERIFIERS}, got {env.get(ENV_VERIFIER)!r}")
-    raw = env.get(ENV_TOPK, "").strip()
-    topk = None
-    if raw:
-        try:
-            topk = int(raw)
-        except ValueError:
-            raise ValueError(f"TEV: {ENV_TOPK} must be an integer >= 1, got {raw!r}") from None
-        if topk < 1:
-            raise ValueError(f"TEV: {ENV_TOPK} must be an integer >= 1, got {raw!r}")
-    return verifier, topk
+    return _env.get(ENV_VERIFIER, environ), _env.get(ENV_TOPK, environ)
 
 
 def read_dflash2_mode(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -170,16 +160,9 @@ def read_dflash2_mode(environ: Optional[Mapping[str, str]] = None) -> Optional[s
         One of :data:`DFLASH2_MODES`, or None when unset or empty (the drafter decides:
         ``srt/dflash2.resolve_draft_serving``).
     Raises:
-        ValueError naming the variable for any other value.
+        :class:`~sglang_tev.env.EnvError` (a ValueError) naming the variable for any other value.
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_DFLASH2_MODE, "")
-    mode = raw.strip().lower()
-    if not mode:
-        return None
-    if mode not in DFLASH2_MODES:
-        raise ValueError(f"TEV: {ENV_DFLASH2_MODE} must be one of {DFLASH2_MODES}, got {raw!r}")
-    return mode
+    return _env.get(ENV_DFLASH2_MODE, environ)
 
 
 def _backends(sa) -> tuple[Optional[str], Optional[str]]:
@@ -216,7 +199,8 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
     stand-in SGLang passes; reads only.
 
     Raises:
-        ValueError naming the flag or variable: a bad ``SGLANG_TEV_*`` value (``SGLANG_TEV_DFLASH2_MODE``
+        ValueError naming the flag or variable: an ``SGLANG_TEV_*`` name that :mod:`sglang_tev.env`
+        does not know (the closest known one suggested); a bad ``SGLANG_TEV_*`` value (``SGLANG_TEV_DFLASH2_MODE``
         included; the drafter's DFlash2 features are checked when the worker loads it,
         ``srt/dflash2.resolve_draft_serving``); a device other than
         ``cuda`` / ``cpu``; ``--device cpu`` without ``SGLANG_USE_CPU_ENGINE=1``; ``--pp-size`` != 1; attention data parallelism; PD disaggregation; no ``--speculative-draft-model-path``;
@@ -232,6 +216,7 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
         ``--enable-return-hidden-states`` / ``--return-hidden-states-mode``, ``--enable-lora`` /
         ``--lora-paths``). Per-request options are checked at admission (``admission``).
     """
+    _env.check_environment(environ)  # an unknown SGLANG_TEV_* name (a typo) stops the launch here
     read_env(environ)
     read_dflash2_mode(environ)
     device_kind = _device_kind(sa)

@@ -43,7 +43,6 @@ extension points; see its docstring for the exact lines it relies on.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,6 +54,8 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
+from .. import env as _env
+
 __all__ = [
     "DEFAULT_BACKEND_NAME",
     "ENV_IGNORE_MASK",
@@ -65,19 +66,10 @@ __all__ = [
 DEFAULT_BACKEND_NAME = "tev_cpu"
 """The ``--attention-backend`` name :func:`register_cpu_attention` registers by default."""
 
-ENV_IGNORE_MASK = "SGLANG_TEV_CPU_ATTN_IGNORE_MASK"
+ENV_IGNORE_MASK = _env.CPU_ATTN_IGNORE_MASK
 """Set to ``1`` to make the backend ignore TARGET_VERIFY custom masks (negative controls only)."""
 
 _SERVED_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
-
-
-def _env_flag(name: str) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name} must be 0 or 1, got {os.environ.get(name)!r}")
 
 
 def _host_ints(t, name: str, n: int) -> list[int]:
@@ -162,7 +154,7 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
             raise NotImplementedError(
                 "TorchCPUAttnBackend: hybrid sliding-window KV pools (SWAKVPool) are not supported"
             )
-        self.ignore_custom_mask = _env_flag(ENV_IGNORE_MASK) if ignore_custom_mask is None else bool(ignore_custom_mask)
+        self.ignore_custom_mask = _env.get(ENV_IGNORE_MASK) if ignore_custom_mask is None else bool(ignore_custom_mask)
         self._plan: Optional[_Plan] = None
 
     # ------------------------------------------------------------------ per forward

@@ -44,7 +44,7 @@ import torch
 
 from ..draft.dflash2 import transform_logits  # the one DFlash2 logit transform (float32 out)
 from ..spec import AUTO, resolve_draft_mode
-from .config import DFLASH2_MODES, read_dflash2_mode
+from .config import DFLASH2_MODES, ENV_DFLASH2_MODE, read_dflash2_mode
 
 __all__ = [
     "MODES",
@@ -156,7 +156,7 @@ def resolve_draft_serving(draft_model, draft_config, environ=None) -> DraftServi
             "TEV: SGLANG_TEV_DFLASH2_MODE=lattice needs a DFlash2 candidate selector "
             "(dflash_config.selector_rank / selector_top_k); this drafter has none"
         )
-    mode = resolve_draft_mode(requested or AUTO, selector is not None, arg="SGLANG_TEV_DFLASH2_MODE")  # lattice checked above
+    mode = resolve_draft_mode(requested or AUTO, selector is not None, arg=ENV_DFLASH2_MODE)  # lattice checked above
     softcap = getattr(draft_config, "final_logit_softcapping", None)
     return DraftServing(
         mode=mode,

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 
+from .. import env as _env
+
 __all__ = ["register", "ALGORITHM_NAME", "ENV_REFERENCE_ATTENTION", "wants_cpu_attention"]
 
 ALGORITHM_NAME = "TEV"
 
-ENV_REFERENCE_ATTENTION = "SGLANG_TEV_REFERENCE_ATTENTION"
+ENV_REFERENCE_ATTENTION = _env.REFERENCE_ATTENTION
 """Set to ``1`` to register ``--attention-backend tev_cpu`` on a GPU machine too (a reference for
 checking a mask layout against FlashInfer or Triton)."""
 
@@ -28,7 +30,7 @@ def wants_cpu_attention(environ=None) -> bool:
     (``SGLANG_USE_CPU_ENGINE=1``, what ``--device cpu`` needs; SGLang reads it the same way,
     ``srt/platforms/__init__.py:50``) or when asked for with ``SGLANG_TEV_REFERENCE_ATTENTION=1``."""
     env = os.environ if environ is None else environ
-    return env.get("SGLANG_USE_CPU_ENGINE", "0") == "1" or env.get(ENV_REFERENCE_ATTENTION, "0") == "1"
+    return env.get("SGLANG_USE_CPU_ENGINE", "0") == "1" or _env.get(ENV_REFERENCE_ATTENTION, env)
 
 
 def register() -> None:
@@ -42,6 +44,9 @@ def register() -> None:
 
     if get_spec(ALGORITHM_NAME) is not None:
         return
+    # Unknown SGLANG_TEV_* names are refused by validate_server_args (the launch) and the worker,
+    # not here: SGLang's load_plugins logs and swallows what register raises, which would leave
+    # TEV unregistered and the launch failing on an unknown algorithm instead.
     from .admission import install_admission_hook
     from .algo import TevAlgo
     from .config import CPU_ATTENTION_BACKEND, validate_server_args

@@ -57,6 +57,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
+from ..env import check_environment
 from ..verify import num_uniforms
 from .config import settings_from_server_args
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
@@ -164,6 +165,7 @@ class TEVWorker(DFlashWorkerV2):
     """DFlash V2 worker whose decode round drafts a DDTree and verifies it with TEV."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        check_environment()  # an unknown SGLANG_TEV_* name (a typo) is refused before any model loads
         dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
         notice = _DropBlockSizeNotice()
         dflash_logger.addFilter(notice)

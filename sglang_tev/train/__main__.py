@@ -1,7 +1,8 @@
 """``python -m sglang_tev.train --config run.yaml [key=value ...]`` (also under ``torchrun``).
 
 Exit status: 0 done (or stopped at ``stop_at_step``), 2 config / input error (message on stderr
-naming the key), 130 interrupted (the last checkpoint is intact; rerun to resume).
+naming the key, or an unknown ``SGLANG_TEV_*`` variable: ``docs/env.md``), 130 interrupted (the
+last checkpoint is intact; rerun to resume).
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is None and not args.overrides:
         p.error("--config is required (or give every required key as key=value)")
 
+    from ..env import EnvError, check_environment
     from .config import ConfigError, config_to_dict, load_config
 
+    try:
+        check_environment()  # an unknown SGLANG_TEV_* name (a typo) is refused, not ignored
+    except EnvError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
