@@ -37,7 +37,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "sglang_tev" / "assets" / "tiny-code"
-sys.path.insert(0, str(REPO))
 
 
 def machine() -> dict:

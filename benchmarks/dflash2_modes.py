@@ -2,7 +2,7 @@
 marginal trees at the same budget, and the selector chain vs the per-depth argmax chain.
 
 The drafter is the shipped tiny-code drafter (DFlash v1, trained) re-dressed as a DFlash2
-checkpoint exactly as ``tests/test_dflash2.py::_shipped_as_dflash2`` does: its weights, a
+checkpoint exactly as ``tests/runtime/test_dflash2.py::_shipped_as_dflash2`` does: its weights, a
 near-identity grouped conv, an untrained random candidate selector (k = 8, rank 8), an
 order-preserving logit transform (x0.9, softcap 40). Acceptance stays a trained drafter's, so rounds
 are realistic; the selector is untrained, so tau differences between modes say nothing about

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 ASSET = REPO / "sglang_tev" / "assets" / "tiny-code"
 
 

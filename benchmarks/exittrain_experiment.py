@@ -60,7 +60,6 @@ ASSET = REPO / "sglang_tev" / "assets" / "tiny-code"
 # packaged as draft-base/ since arm D's recipe became the default drafter (scripts/build_tiny_code.py)
 BASE_DRAFT = ASSET / "draft-base"
 RESULTS = REPO / "benchmarks" / "results" / "exittrain-experiment.json"
-sys.path.insert(0, str(REPO))
 
 from sglang_tev.atomic import atomic_write  # noqa: E402
 from sglang_tev.machine import machine_info  # noqa: E402

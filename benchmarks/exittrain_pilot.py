@@ -28,8 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import exittrain_experiment as X  # noqa: E402
+import exittrain_experiment as X  # the script's own folder is on sys.path
 
 RESULTS = X.REPO / "benchmarks" / "results" / "exittrain-pilot.json"
 VAL_PROMPTS = 24

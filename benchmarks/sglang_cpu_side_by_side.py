@@ -1,7 +1,7 @@
 """Side by side on SGLang 0.5.23's real CPU Engine: plain decoding, SGLang's DFLASH, TEV N=17, N=65.
 
 Each mode is one ``sglang.Engine`` started in its own process with the CPU test harness
-(``tests/sglang_cpu``: stand-ins for sgl_kernel's CPU ops only; ``tev_cpu`` attention), one at a
+(``sglang_tev.testing.sglang_cpu``: stand-ins for sgl_kernel's CPU ops only; ``tev_cpu`` attention), one at a
 time, all with the shipped tiny-code pair (``sglang_tev/assets/tiny-code``, bf16), the same
 greedy prompts and the same ``max_new_tokens`` (EOS ignored by default, so every mode emits the
 same number of tokens). Per mode:
@@ -28,7 +28,7 @@ Usage (from the repository root; this checkout's ``sglang_tev`` is put first on 
         [--prompts humaneval|engine] [--limit 8] [--max-new-tokens 128] [--modes plain,dflash,tev17,tev65] \\
         [--output benchmarks/results/sglang-cpu-side-by-side.json]
 
-``--prompts engine`` uses the 9 prompts of ``tests/test_sglang_engine.py``. The JSON (written
+``--prompts engine`` uses the 9 prompts of ``tests/engine/test_sglang_engine.py``. The JSON (written
 after every mode, so a run cut short keeps what it measured) holds the command, machine, versions,
 date, per-mode start and wall times, per-request figures and the ids.
 """
@@ -47,8 +47,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "sglang_cpu"))
 
 MODES = {
     # name: label (Engine kwargs: engine_kwargs)
@@ -57,7 +55,7 @@ MODES = {
     "tev17": "TEV N=17",
     "tev65": "TEV N=65",
 }
-ENGINE_TEST_PROMPTS = "tests/test_sglang_engine.py"
+ENGINE_TEST_PROMPTS = "tests/engine/test_sglang_engine.py"
 
 
 SYNC = "-sync"
@@ -86,10 +84,10 @@ def load_prompt_ids(which: str, limit: int | None, tokenizer) -> tuple[list[str]
         prompts = load_humaneval(limit)
         return [p.id for p in prompts], [encode_prompt(p, tokenizer) for p in prompts]
     if which == "engine":
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from test_sglang_engine import PROMPTS
+        from sglang_tev.testing.sglang_cpu import engine_prompts
 
-        texts = PROMPTS[:limit] if limit else PROMPTS
+        prompts = engine_prompts()
+        texts = prompts[:limit] if limit else prompts
         return [f"engine-test/{i}" for i in range(len(texts))], [tokenizer(t).input_ids for t in texts]
     raise ValueError(f"--prompts must be 'humaneval' or 'engine', got {which!r}")
 
@@ -134,7 +132,7 @@ def versions() -> dict:
             ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", ROOT, "status", "--porcelain", "--", "sglang_tev", "tests/sglang_cpu"],
+            ["git", "-C", ROOT, "status", "--porcelain", "--", "sglang_tev"],
             capture_output=True, text=True, check=True,
         ).stdout.split("\n")
         out["git_dirty"] = [d.strip() for d in dirty if d.strip()]
@@ -294,7 +292,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", default="humaneval", help="'humaneval' (default) or 'engine' (tests/test_sglang_engine.py's 9)")
+    ap.add_argument("--prompts", default="humaneval", help="'humaneval' (default) or 'engine' (tests/engine/test_sglang_engine.py's 9)")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-ignore-eos", action="store_true", help="stop at EOS (default: EOS ignored, equal lengths)")

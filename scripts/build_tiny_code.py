@@ -799,7 +799,7 @@ class BenchConfig:
     budgets: tuple = (32, 64, 128)
     temperatures: tuple = (0.0, 1.0)
     max_new_tokens: int = 128
-    # predraw/sequential follow the same law as tev (paper Theorem 1; tests/test_verify_exact.py)
+    # predraw/sequential follow the same law as tev (paper Theorem 1; tests/core/test_verify_exact.py)
     # and at T = 0 the same token path, so the build measures tev only: the stage stays near
     # 6 minutes on 2 cores instead of ~15. `sglang-tev bench` runs all five methods by default.
     methods: tuple = ("autoregressive", "chain", "tev")
@@ -979,7 +979,7 @@ Command: `{meta.get("command", "")}`
   T = 0 ({bl0["T0"]:.3f} -> {bl["T0"]:.3f}) and lowered it at T = 1 ({bl0["T1"]:.3f} -> {bl["T1"]:.3f}). For sampling
   at T = 1, `draft-base/` drafts slightly better.
 - Only tev is measured here; predraw and sequential sample the same law (paper Theorem 1,
-  `tests/test_verify_exact.py`) and `sglang-tev bench` runs them by default.
+  `tests/core/test_verify_exact.py`) and `sglang-tev bench` runs them by default.
 
 ## Rebuild
 

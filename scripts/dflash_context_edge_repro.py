@@ -1,7 +1,7 @@
 """Does SGLang 0.5.23's own DFLASH die on a greedy request that ends at (or near) the context length?
 
 Starts ``sglang.Engine(speculative_algorithm="DFLASH")`` with the shipped tiny-code drafter (block
-16) on the CPU test harness (``tests/sglang_cpu``, ``tev_cpu`` attention) with a small
+16) on the CPU test harness (``sglang_tev.testing.sglang_cpu``, ``tev_cpu`` attention) with a small
 ``context_length``, and for each end position E sends ONE greedy ``ignore_eos`` request whose
 prompt + ``max_new_tokens`` == E (within the limit: E <= context_length), then a normal short
 request to see whether the Engine still serves. A dead Engine is restarted for the next E.
@@ -36,8 +36,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "sglang_cpu"))
 
 
 def engine_kwargs(args) -> dict:

@@ -7,7 +7,7 @@ and no SGLang, so nothing is installed: the package is imported from this checko
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out "$OUT"          # device tool timeout_s=540
 
-Anywhere, without a GPU (what ``tests/test_gpu_check.py`` runs)::
+Anywhere, without a GPU (what ``tests/runtime/test_gpu_check.py`` runs)::
 
     python scripts/gpu_check.py --dry-run --out /tmp/gpu-check
 

@@ -1,5 +1,22 @@
+"""Test tiers by folder: every test module lives in one of the folders of :data:`TIERS`, which
+sets its markers (registered in pyproject.toml), so a renamed module keeps them.
+
+- ``core``: torch only, under a minute (``scripts/run_tests.sh --core``): the exit law, the
+  verifiers, the sampling law, the tree builder, the decode spec, a few interpreted Triton cases.
+- ``runtime``: the transformers runtime, the drafters, the CLI, bench / tune / eval-drafter.
+- ``srt``: the SGLang plugin, its round and worker, with SGLang's modules in this process (marked
+  ``sglang``: skipped without sglang unless SGLANG_TEV_REQUIRE_SGLANG=1).
+- ``engine``: SGLang's real Engine and HTTP server in child processes (``sglang``, ``engine``,
+  ``slow``; ~30-90 s per Engine here).
+- ``train``: the trainer, ExitTrain, the shipped pair's build.
+
+Minutes-long modules outside ``engine`` mark themselves ``pytestmark = pytest.mark.slow``;
+``scripts/run_tests.sh --fast`` leaves every ``slow`` test out, CI runs everything.
+"""
+
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,42 +24,28 @@ import torch
 # The tests run tiny models: one thread is faster than two, and far faster when another job
 # loads the second core (thread hand-offs then stall for whole scheduler slices).
 torch.set_num_threads(1)
+# the helper modules shared by every tier (tiny_pair, exact_law, ...) sit in this folder
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Markers by module (registered in pyproject.toml). `sglang`: needs sglang installed (the plugin
-# and its round; skipped without it unless SGLANG_TEV_REQUIRE_SGLANG=1). `engine`: starts SGLang
-# Engines or HTTP servers in child processes (~30-90 s each here). `slow`: the engine modules and
-# the modules that train, build or benchmark for minutes; `scripts/run_tests.sh --fast` runs the
-# rest (`-m "not slow"`), CI runs everything.
-ENGINE_MODULES = {
-    "test_sglang_engine",
-    "test_sglang_server",
-    "test_sglang_kv_edges",
-    "test_sglang_penalties",
-    "test_sglang_dflash_cpu",
-    "test_sglang_cpu_harness",
-    "test_sglang_overlap",
-    "test_sglang_tp",
-    "test_sglang_dflash2_engine",
+HERE = Path(__file__).resolve().parent
+TIERS = {
+    "core": ("core",),
+    "runtime": ("runtime",),
+    "srt": ("srt", "sglang"),
+    "engine": ("engine", "sglang", "slow"),
+    "train": ("train",),
 }
-SLOW_MODULES = ENGINE_MODULES | {
-    # each over ~25 s on the 2-core VM (full suite, 2026-12-02): subprocess SGLang imports, the
-    # interpreted Triton kernel, 200-token greedy runs, builds and CUDA-graph checks on CPU
-    "test_hf_runtime",
-    "test_triton_tev",
-    "test_srt_plugin",
-    "test_build_tiny_code",
-    "test_gpu_check",
-    "test_assets",
-}
+
+
+def tier_of(path) -> str:
+    """The tier folder of a test module's path; raises pytest.UsageError for a module outside one."""
+    rel = Path(path).resolve().relative_to(HERE)
+    if len(rel.parts) < 2 or rel.parts[0] not in TIERS:
+        raise pytest.UsageError(f"tests/{rel}: every test module lives in a tier folder ({', '.join(TIERS)})")
+    return rel.parts[0]
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
-        if name.startswith(("test_srt_", "test_sglang_")):
-            item.add_marker(pytest.mark.sglang)
-        if name in ENGINE_MODULES:
-            item.add_marker(pytest.mark.engine)
-        if name in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+        for marker in TIERS[tier_of(item.path)]:
+            item.add_marker(getattr(pytest.mark, marker))

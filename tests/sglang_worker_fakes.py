@@ -1,5 +1,5 @@
 """Small stand-ins for SGLang's GPU-only KV plumbing, shared by the worker-round tests
-(``tests/test_srt_worker.py``, ``tests/test_srt_graphs.py``): a KV index translator whose plan
+(``tests/srt/test_srt_worker.py``, ``tests/srt/test_srt_graphs.py``): a KV index translator whose plan
 writes where the worker asked, and a KV pool over a simulated store (each slot holds the token
 whose KV it caches), so the worker's KV moves can be checked by what the target later reads."""
 

@@ -13,7 +13,7 @@ Not measured on a GPU in this repository (the development machine has none):
 (tested for identical outputs), and the capture / copy-in / replay / reuse logic runs with a CPU
 stand-in for CUDA graphs (``graph_backend``, ``sglang_tev.testing.graph_replay``; that stand-in
 traces the captured forward with dynamo, ``fullgraph=True``, and refuses data-dependent ops:
-``tests/test_hf_cuda_graphs.py``).
+``tests/runtime/test_hf_cuda_graphs.py``).
 """
 
 from __future__ import annotations

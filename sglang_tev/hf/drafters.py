@@ -105,7 +105,7 @@ class DFlashDrafter:
     :class:`~sglang_tev.hf.runtime.SpeculativeGenerator` does not call :meth:`draft`: it runs the
     same model as :class:`~sglang_tev.hf.dflash_runner.StaticDFlashDrafter`, the batched form
     over a static context cache (equal to one reference ``DFlashDraftCache`` per row:
-    ``tests/test_dflash_runner_fused.py``).
+    ``tests/runtime/test_dflash_runner_fused.py``).
 
     Args:
         model: a :class:`DFlashDraftModel`.

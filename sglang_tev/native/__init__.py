@@ -8,8 +8,8 @@ On CPU every small tensor or NumPy op costs tens of microseconds right after a m
 call. This module compiles ``host_ops.c`` (plain C, no Python headers, about a second) into
 a per-user cache directory and calls it through :mod:`ctypes`. Where that is not possible (no C
 compiler, a read-only cache, ``SGLANG_TEV_NATIVE=0`` / ``false`` / ``off``), the functions here
-return None and the callers stay in Python: both give identical outputs (``tests/test_ddtree.py``,
-``tests/test_verify_exact.py``, ``tests/test_hf_batch.py``).
+return None and the callers stay in Python: both give identical outputs (``tests/core/test_ddtree.py``,
+``tests/core/test_verify_exact.py``, ``tests/runtime/test_hf_batch.py``).
 
 Cache directory: ``$SGLANG_TEV_CACHE`` or ``$XDG_CACHE_HOME/sglang_tev`` (default
 ``~/.cache/sglang_tev``); the library's name carries a hash of the source, so an upgrade rebuilds

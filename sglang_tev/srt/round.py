@@ -1,7 +1,7 @@
 """The tensor logic of one TEV decode round in SGLang's batch layouts (pure torch, no sglang).
 
 The worker (``worker.py``) wires these functions between SGLang's forwards; each is checked on
-CPU tensors against an independent computation (``tests/test_srt_round.py``). Layouts follow
+CPU tensors against an independent computation (``tests/srt/test_srt_round.py``). Layouts follow
 SGLang 0.5.23 (``../shared/notes/sglang-0.5.23-internals.md`` §2-§3):
 
 * a batch of ``bs`` requests, ``N`` tree nodes each; request b's nodes are the global rows

@@ -2,7 +2,7 @@
 
 Runs on CUDA (FlashInfer / Triton apply the tree mask; ``scripts/sglang_smoke.py`` is the GPU
 check; what has been verified where is in docs/sglang.md) and on CPU with ``--attention-backend tev_cpu``, where
-CI runs it inside SGLang's real Engine and HTTP server (``tests/test_sglang_engine.py``,
+CI runs it inside SGLang's real Engine and HTTP server (``tests/engine/test_sglang_engine.py``,
 ``test_sglang_server.py``, ``test_sglang_kv_edges.py``, ``test_sglang_penalties.py``). The tensor
 logic it calls lives in ``round.py`` (tested alone); this file wires it between SGLang's forwards.
 

@@ -43,7 +43,7 @@ op                  calls
                     tensor index (alone or in a tuple): the output size is read from the device
 ==================  ========================================================================
 
-Every call above was checked to reach ``__torch_function__`` (torch 2.14, ``tests/test_host_sync.py``
+Every call above was checked to reach ``__torch_function__`` (torch 2.14, ``tests/core/test_host_sync.py``
 counts each one). Not seen by a TorchFunctionMode, so never counted: ``torch.cuda.synchronize``,
 ``Event.synchronize`` / ``Stream.synchronize``, reads inside C++ or Triton code, and calls made
 while another TorchFunctionMode handles a call (a mode is popped while it runs, so an op's own

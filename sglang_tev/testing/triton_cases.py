@@ -1,6 +1,6 @@
 """Fused Triton TEV cases: seeded ragged trees with logits that put exits at every depth, and the
 chi-square of the kernel's (exit node, bonus) draws against the enumerated law — run by
-``tests/triton_tev_cases.py`` (interpreter on CPU, or a GPU) and ``scripts/gpu_check.py``.
+``tests/runtime/triton_tev_cases.py`` (interpreter on CPU, or a GPU) and ``scripts/gpu_check.py``.
 
 The kernel needs a GPU or ``TRITON_INTERPRET=1`` set before Triton is imported; this module
 imports Triton only inside :func:`kernel_draws_against_law`.

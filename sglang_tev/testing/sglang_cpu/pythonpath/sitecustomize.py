@@ -1,0 +1,25 @@
+"""Loads the SGLang CPU test harness at interpreter start when ``SGLANG_TEV_CPU_HARNESS=1``.
+
+Python imports ``sitecustomize`` from ``sys.path`` in every process, including the scheduler
+and detokenizer SGLang spawns; ``sglang_tev.testing.sglang_cpu.harness.harness_env()`` puts this folder on
+``PYTHONPATH`` for them. ``SGLANG_TEV_TP_TRACE=<folder>`` also records each process's TEV round
+decisions there (``sglang_tev/testing/sglang_cpu/tp_trace.py``); ``SGLANG_TEV_SYNC_PROBE=<file>`` counts the host syncs of
+each TEV decode step (``sglang_tev/testing/sglang_cpu/sync_probe.py``).
+"""
+
+from sglang_tev import env
+
+if env.get(env.CPU_HARNESS):
+    from sglang_tev.testing.sglang_cpu import harness
+
+    harness.install()
+
+    if env.get(env.TP_TRACE):
+        from sglang_tev.testing.sglang_cpu import tp_trace
+
+        tp_trace.install()
+
+    if env.get(env.SYNC_PROBE):
+        from sglang_tev.testing.sglang_cpu import sync_probe
+
+        sync_probe.install()

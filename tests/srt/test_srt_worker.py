@@ -1,0 +1,208 @@
+"""``TEVWorker``'s decode round on CPU, with SGLang's GPU-only pieces replaced by small fakes.
+
+What is real: the worker's own code (``_tev_decode`` / ``_draft_topk``), SGLang 0.5.23's
+``DFlashVerifyInput``, ``DFlashDraftInputV2``, ``SamplingBatchInfo``,
+``apply_dflash_verify_logits_adjustments`` and ``GenerationBatchResult``, and this project's
+round functions. What is faked (GPU-only in SGLang): the draft runner's forward and
+``candidate_topk`` (an oracle drafter), ``assign_extend_cache_locs_func`` (a torch gather from
+``req_to_token``), the KV index translator, ``ForwardBatch``, ``prepare_for_verify`` and the
+target forward: the fake target is the shipped tiny Qwen3 model reading its context FROM A
+SIMULATED KV STORE (each slot holds the token whose KV it caches) plus the verify input's tree,
+FULL mask and positions, and writing the tree's tokens into the window's slots. So the KV move of
+the accepted path, the commit lengths, the output tokens and the next round's state all have to
+be right for the output to equal plain greedy decoding.
+
+This is a wiring check; the real forwards, attention backends and kernels run only with a CUDA GPU
+(``scripts/sglang_smoke.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_pair import plain_greedy
+
+from sglang_worker_fakes import FakeKV, FakeTranslator  # noqa: E402
+from sglang_tev.testing.sglang_cpu.required import require_sglang  # noqa: E402
+
+require_sglang()
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("verifier", ["tev", "sequential"])
+def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+    from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+    from transformers import AutoModelForCausalLM
+
+    import sglang_tev.srt.worker as W
+    from sglang_tev.srt.config import TevSettings
+    from sglang_tev.srt.kv_headroom import required_row_extra
+
+    target = AutoModelForCausalLM.from_pretrained(ROOT / "sglang_tev/assets/tiny-code/target", dtype=torch.float32).eval()
+    V = target.config.vocab_size
+    K, N, D, k = 6, 12, 5, 3
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, V, (L,), generator=g).tolist() for L in (4, 7, 2, 9)]
+    bs, new_tokens = len(prompts), 20
+
+    refs = [p + plain_greedy(target, p, new_tokens + 3 * K) for p in prompts]
+
+    # memory: request b owns pool row pool_idx[b]; slots are a random permutation
+    pool_idx = torch.tensor([3, 0, 2, 1])
+    req_to_token = torch.randperm(4 * 200, generator=g).view(4, 200)
+    kv = torch.full((800,), -1, dtype=torch.int64)
+    for b, p in enumerate(prompts):  # prefill: the prompt's KV is cached
+        kv[req_to_token[pool_idx[b], : len(p)]] = torch.tensor(p)
+
+    def assign_locs(*, req_pool_indices, req_to_token, start_offset, end_offset, batch_size, draft_token_num, device):
+        rows = [req_to_token[req_pool_indices[b], int(start_offset[b]) : int(end_offset[b])] for b in range(batch_size)]
+        assert all(r.numel() == draft_token_num for r in rows)
+        return torch.cat(rows)
+
+    def oracle_topk(hidden, lm_head, kk, with_partition):
+        # the fake draft "hidden" rows are already logits over the vocabulary
+        lse = torch.logsumexp(hidden, -1)
+        vals, ids = hidden.topk(kk, -1)
+        return ids, vals, lse
+
+    def draft_forward(fb):
+        # block [root, MASK x (K-1)] at positions prefix..prefix+K-1: slot j predicts the token
+        # after position prefix + j, the true continuation with a margin (drafter accuracy ~85%)
+        assert fb.input_ids.numel() == bs * K and fb.bound
+        logits = torch.randn(bs * K, V, generator=g)
+        for b in range(bs):
+            base = int(fb.positions[b * K]) + 1  # index in the full token sequence of depth 1
+            for j in range(1, K):
+                t = base + j - 1
+                if t < len(refs[b]) and float(torch.rand((), generator=g)) < 0.85:
+                    logits[b * K + j, refs[b][t]] += 8.0
+        return SimpleNamespace(logits_output=SimpleNamespace(hidden_states=logits))
+
+    def prepare_for_verify(self, batch, target_worker, **kw):
+        # as SGLang's: the host bound covers prefix + window; the mask matches the device seq_lens
+        assert torch.equal(batch.seq_lens_cpu, seen["seq_cpu"] + self.draft_token_num)
+        batch.input_ids = self.draft_token
+        return SimpleNamespace(spec_info=self, out_cache_loc=batch.out_cache_loc, seq_lens=batch.seq_lens), False
+
+    @torch.no_grad()
+    def target_forward(*, batch, forward_batch, is_verify, skip_attn_backend_init):
+        vi, loc, seq = forward_batch.spec_info, forward_batch.out_cache_loc, forward_batch.seq_lens
+        n = vi.draft_token_num
+        logits = torch.empty(bs * n, V)
+        start = 0
+        for b in range(bs):
+            s = int(seq[b])
+            ctx = kv[req_to_token[pool_idx[b], :s]]  # the committed context, read from the KV store
+            assert bool((ctx >= 0).all())
+            rows = vi.custom_mask[start : start + n * (s + n)].view(n, s + n)
+            start += n * (s + n)
+            full = torch.zeros(s + n, s + n, dtype=torch.bool)
+            full[:s, :s] = torch.ones(s, s, dtype=torch.bool).tril()
+            full[s:] = rows
+            add = torch.zeros(1, 1, s + n, s + n).masked_fill_(~full, torch.finfo(torch.float32).min)
+            inp = torch.cat([ctx, vi.draft_token[b * n : (b + 1) * n]]).view(1, -1)
+            pos = torch.cat([torch.arange(s), vi.positions[b * n : (b + 1) * n]]).view(1, -1)
+            logits[b * n : (b + 1) * n] = target(inp, position_ids=pos, attention_mask=add).logits[0, s:]
+        kv[loc] = vi.draft_token  # the verify forward writes every node's KV into the window
+        seen["draft_token"] = vi.draft_token.clone()
+        hidden = torch.arange(bs * n, dtype=torch.float32).view(-1, 1).repeat(1, 2)  # row id as a feature
+        return SimpleNamespace(
+            logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=False
+        )
+
+    monkeypatch.setattr(W, "assign_extend_cache_locs_func", assign_locs)
+    monkeypatch.setattr(W, "candidate_topk", oracle_topk)
+    monkeypatch.setattr(W, "ForwardBatch", lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setattr(W, "enable_num_token_non_padded", lambda: False)  # reads the published parallel config
+    monkeypatch.setattr(W, "_resolve_dflash_embedding_module", lambda draft, tgt: torch.nn.Embedding(V, 4))
+    monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
+
+    appended = []
+    fake_kv = FakeKV(kv)
+    w = object.__new__(W.TEVWorker)
+    w.tev = TevSettings(tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier)
+    w.block_size, w.device, w._mask_token_id = K, "cpu", 1
+    w._noise_embed_scale, w._full_embed_gpu, w._target_logits_processor = 1.0, None, None
+    w._block_pos_offsets = torch.arange(K)
+    w._draft_block_spec_info = None
+    w.draft_parallel_layout = SimpleNamespace(tp_group=None)
+    w.draft_model = SimpleNamespace()
+    translator = FakeTranslator()
+    w.model_runner = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        kv_index_translator=translator,
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: fake_kv, page_size=1),
+        model=SimpleNamespace(lm_head=torch.nn.Linear(2, V)),
+        # rows exactly as long as the plugin's headroom makes them (the worker checks on its first decode)
+        model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1)),
+    )
+    w._row_headroom_checked = False
+    w._target_worker = SimpleNamespace(model_runner=w.model_runner, forward_batch_generation=target_forward)
+    w.draft_model_runner = SimpleNamespace(forward=draft_forward, kv_index_translator=translator)
+    w._append_target_hidden_to_draft_kv_by_loc = lambda **kw: appended.append(kw)
+    w._tev_generator = torch.Generator().manual_seed(0)
+    # a one-rank TP sync that is on: the round adopts "rank 0's" decision through it (identity here)
+    w._tp_sync = SimpleNamespace(enabled=lambda site: True, sync=lambda site, t: t)
+
+    greedy = SamplingBatchInfo(
+        temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),
+        min_ps=torch.zeros(bs), is_all_greedy=True, is_any_greedy=True, need_top_p_sampling=False,
+        need_top_k_sampling=False, need_min_p_sampling=False, vocab_size=V, device="cpu",
+    )  # fmt: skip
+    seq = torch.tensor([len(p) for p in prompts])
+    bonus = torch.tensor([r[len(p)] for r, p in zip(refs, prompts)])  # the prefill's sampled token
+    out = [[int(b)] for b in bonus]
+    batch = SimpleNamespace(
+        seq_lens=seq.clone(), seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()), req_pool_indices=pool_idx,
+        spec_info=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=seq.clone()), sampling_info=greedy,
+        forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False), is_extend_in_batch=False,
+        has_grammar=False, return_logprob=False, out_cache_loc=None,
+    )  # fmt: skip
+    seen = {}
+    accepts = []
+    while min(len(o) for o in out) < new_tokens:
+        seen["seq_cpu"] = batch.seq_lens_cpu.clone()
+        roots = batch.spec_info.bonus_tokens.clone()
+        res = w.forward_batch_generation(batch)
+        # the scheduler's reading of a spec-v2 result (_resolve_spec_v2_tokens)
+        stride = res.speculative_num_draft_tokens
+        assert stride == N and res.next_token_ids.numel() == bs * N
+        for b in range(bs):
+            a = int(res.accept_lens[b])
+            out[b] += res.next_token_ids[b * stride : b * stride + a].tolist()
+        last = appended[-1]
+        assert torch.equal(last["commit_lens"], res.accept_lens)
+        assert last["cache_loc_2d"].shape == (bs, N)
+        assert torch.equal(last["positions"].view(bs, N), batch.seq_lens.view(bs, 1) + torch.arange(N))
+        # the draft-KV rows written (the first commit_lens of each window) are the target features
+        # of root + accepted drafts, in order (features are row ids here)
+        for b in range(bs):
+            a = int(res.accept_lens[b])
+            want = [int(roots[b])] + res.next_token_ids[b * N : b * N + a - 1].tolist()
+            rows = last["target_hidden"][b * N : b * N + a, 0].long()
+            assert seen["draft_token"][rows].tolist() == want
+            assert bool((rows // N == b).all())
+        info = res.logits_output.customized_info
+        assert list(info["tev_accept_length"]) == res.accept_lens.tolist()
+        assert [a + 1 for a in info["tev_exit_depth"]] == res.accept_lens.tolist()
+        accepts += info["tev_exit_depth"]
+        assert batch.seq_lens_cpu is seen["seq_cpu"] or torch.equal(batch.seq_lens_cpu, seen["seq_cpu"])  # restored
+        batch.seq_lens = res.new_seq_lens.clone()
+        batch.seq_lens_cpu = res.new_seq_lens.clone()
+        batch.seq_lens_sum = int(batch.seq_lens.sum())
+        batch.spec_info = res.next_draft_input
+        assert torch.equal(batch.spec_info.bonus_tokens, torch.tensor([o[-1] for o in out]))
+    for b, p in enumerate(prompts):
+        assert out[b][:new_tokens] == refs[b][len(p) : len(p) + new_tokens]
+        # the committed KV holds exactly the committed tokens (prompt + output minus the bonus)
+        s = int(batch.seq_lens[b])
+        assert kv[req_to_token[pool_idx[b], :s]].tolist() == (p + out[b])[:s]
+    assert fake_kv.moves == len(accepts) // bs
+    assert sum(accepts) / len(accepts) >= 1.5
