@@ -64,7 +64,7 @@ modes without it run with SGLang's default, overlap on."""
 
 
 def engine_kwargs(mode: str) -> dict:
-    from hosts import dflash_kwargs, plain_kwargs, tev_kwargs
+    from sglang_tev.testing.sglang_cpu.hosts import dflash_kwargs, plain_kwargs, tev_kwargs
 
     if mode.endswith(SYNC):
         return dict(engine_kwargs(mode[: -len(SYNC)]), disable_overlap_schedule=True)
@@ -194,7 +194,7 @@ class Gap:
 
 
 def compare(got, want, prompt_ids, gap: Gap) -> dict:
-    from hosts import first_divergence
+    from sglang_tev.testing.sglang_cpu.hosts import first_divergence
 
     diffs = []
     for i, (g, w) in enumerate(zip(got, want)):
@@ -211,7 +211,7 @@ def compare(got, want, prompt_ids, gap: Gap) -> dict:
 
 
 def run_mode(mode: str, prompt_ids, sp: dict, warm_ids) -> dict:
-    from hosts import EngineHost
+    from sglang_tev.testing.sglang_cpu.hosts import EngineHost
 
     kwargs = engine_kwargs(mode)
     rec = {"mode": mode, "label": MODES[mode], "engine_kwargs": kwargs}
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from hosts import TARGET
+    from sglang_tev.testing.sglang_cpu.hosts import TARGET
 
     from sglang_tev.atomic import atomic_write
 

@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def engine_kwargs(args) -> dict:
-    from hosts import dflash_kwargs, tev_kwargs
+    from sglang_tev.testing.sglang_cpu.hosts import dflash_kwargs, tev_kwargs
 
     extra = dict(context_length=args.context_length, max_running_requests=4)
     if args.algorithm == "DFLASH":
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from hosts import TARGET, EngineHost
+    from sglang_tev.testing.sglang_cpu.hosts import TARGET, EngineHost
     from sglang_tev.hf.datasets import load_humaneval
 
     tok = AutoTokenizer.from_pretrained(TARGET)

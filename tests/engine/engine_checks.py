@@ -181,3 +181,22 @@ class PenalisedModel:
         out = self.model(ids).logits.clone()
         out[0, -1] = penalise(out[0, -1], seq[len(self.prompts[i]) :], self.params[i])
         return SimpleNamespace(logits=out)
+
+
+EOS = 0  # the tiny target's eos (SGLang's min-new-tokens penalizer holds it back too)
+
+
+def penalise(logits, outputs, params):
+    """SGLang's penalties (``sampling/penaltylib``) on one row of logits after ``outputs`` (the
+    generated tokens; the prompt never counts): frequency, presence and min-new-tokens added, then
+    repetition scaling."""
+    x = logits.float().clone()
+    counts = torch.zeros_like(x)
+    for t in outputs:
+        counts[t] += 1
+    seen = counts > 0
+    p = params.get("repetition_penalty", 1.0)
+    x -= params.get("frequency_penalty", 0.0) * counts + params.get("presence_penalty", 0.0) * seen.float()
+    if len(outputs) < params.get("min_new_tokens", 0):
+        x[list({EOS, *params.get("stop_token_ids", [])})] = float("-inf")
+    return torch.where(seen, torch.where(x < 0, x * p, x / p), x)

@@ -131,7 +131,7 @@ def test_tev9_min_p_under_deterministic_inference_is_refused_and_the_engine_serv
     """This Engine runs with deterministic inference, where SGLang's own seeded sampler asserts on
     min-p and its scheduler exits (plain decoding too, seen on this harness): TEV's admission
     refuses the request by name, and the Engine serves the next one."""
-    from hosts import EngineHost
+    from sglang_tev.testing.sglang_cpu.hosts import EngineHost
 
     eng = _tev9(hosts)
     with pytest.raises(EngineHost.Error, match="min_p=0.05 with --enable-deterministic-inference"):

@@ -25,11 +25,9 @@ import torch
 from sglang_tev.testing.sglang_cpu.hosts import EngineHost, plain_kwargs, require_sglang, tev_kwargs
 
 require_sglang()
-from engine_checks import TIE, assert_same_ids, chi_square_p
-from engine_checks import PenalisedModel
+from engine_checks import EOS, TIE, PenalisedModel, assert_same_ids, chi_square_p, penalise  # noqa: F401
 
 ENV = {"TORCHDYNAMO_DISABLE": "1"}
-EOS = 0  # the tiny target's eos (SGLang's min-new-tokens penalizer holds it back too)
 PROMPTS = [
     "def fibonacci(n):",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
@@ -65,22 +63,6 @@ computed here."""
 def prompt_ids(tokenizer):
     """This module's own PROMPTS (not the engine tests')."""
     return [tokenizer(p).input_ids for p in PROMPTS]
-
-
-def penalise(logits, outputs, params):
-    """SGLang's penalties (``sampling/penaltylib``) on one row of logits after ``outputs`` (the
-    generated tokens; the prompt never counts): frequency, presence and min-new-tokens added, then
-    repetition scaling."""
-    x = logits.float().clone()
-    counts = torch.zeros_like(x)
-    for t in outputs:
-        counts[t] += 1
-    seen = counts > 0
-    p = params.get("repetition_penalty", 1.0)
-    x -= params.get("frequency_penalty", 0.0) * counts + params.get("presence_penalty", 0.0) * seen.float()
-    if len(outputs) < params.get("min_new_tokens", 0):
-        x[list({EOS, *params.get("stop_token_ids", [])})] = float("-inf")
-    return torch.where(seen, torch.where(x < 0, x * p, x / p), x)
 
 
 def requests(prompt_ids, stops, case):
