@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from sglang_tev.draft.dflash import DFlashConfig, DFlashDraftModel
+from sglang_tev.hf.assets import ASSETS_DIR
 
-ASSETS = Path(__file__).resolve().parents[2] / "sglang_tev" / "assets" / "tiny-code"
+ASSETS = ASSETS_DIR
 DRAFT = ASSETS / "draft"
 
 DFLASH2_KEYS = dict(conv_kernel_size=3, conv_group_size=32, selector_rank=8, selector_top_k=8,
