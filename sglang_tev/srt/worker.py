@@ -241,8 +241,7 @@ class TEVWorker(DFlashWorkerV2):
         (``dflash2.transformed_candidate_topk``, marginal mode)."""
         target_model = self.target_worker.model_runner.model
         lm_head = unwrap_lora_layer(target_model.lm_head)
-        serving = getattr(self, "_tev_draft", None)
-        topk_fn = candidate_topk if serving is None else serving.marginal_topk_fn(candidate_topk)
+        topk_fn = self._tev_draft.marginal_topk_fn(candidate_topk)
 
         def head_fn(draft_out, bs):
             head = getattr(self, "_draft_sampler", None)
@@ -356,8 +355,7 @@ class TEVWorker(DFlashWorkerV2):
         # shallower tree, root-only at the last position)
         caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
         roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
-        serving = getattr(self, "_tev_draft", None)
-        if serving is not None and serving.mode == "lattice":
+        if self._tev_draft.mode == "lattice":
             # DFlash2: DDTree over the selector lattice (parent-dependent child lists)
             cand, trans_logq = self._draft_lattice(batch, draft_input, seq_lens_cpu, seq_lens_sum)
             tree = build_lattice_trees(cand, trans_logq, self.tev.budget, roots, self.tev.max_depth, depth_cap=caps)

@@ -31,7 +31,7 @@ import pytest
 import torch
 from tiny_pair import plain_greedy
 
-from sglang_worker_fakes import FakeKV, FakeTranslator  # noqa: E402
+from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker  # noqa: E402
 from sglang_tev.testing.sglang_cpu.required import require_sglang  # noqa: E402
 
 require_sglang()
@@ -374,7 +374,6 @@ def _run_worker(monkeypatch, graphs: bool):
     from transformers import AutoModelForCausalLM
 
     import sglang_tev.srt.worker as W
-    from sglang_tev.srt.config import TevSettings
     from sglang_tev.srt.graphs import TevDraftHead
     from sglang_tev.srt.kv_headroom import required_row_extra
 
@@ -463,16 +462,8 @@ def _run_worker(monkeypatch, graphs: bool):
     monkeypatch.setattr(W, "_resolve_dflash_embedding_module", lambda draft, tgt: torch.nn.Embedding(V, 4))
     monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
 
-    w = object.__new__(W.TEVWorker)
-    w.tev = TevSettings(tree_size=N, block_size=K, max_depth=D, topk=k, verifier="tev")
-    w.block_size, w.device, w._mask_token_id = K, "cpu", 1
-    w._noise_embed_scale, w._full_embed_gpu, w._target_logits_processor = 1.0, None, None
-    w._block_pos_offsets = torch.arange(K)
-    w._draft_block_spec_info = None
-    w.draft_parallel_layout = SimpleNamespace(tp_group=None)
-    w.draft_model = SimpleNamespace()
     translator = FakeTranslator()
-    w.model_runner = SimpleNamespace(
+    model_runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         kv_index_translator=translator,
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: FakeKV(kv), page_size=1),
@@ -480,20 +471,18 @@ def _run_worker(monkeypatch, graphs: bool):
         model_config=SimpleNamespace(context_len=ctx),
         decode_cuda_graph_runner=graph,
     )
-    w._row_headroom_checked = False
-    w._target_worker = SimpleNamespace(model_runner=w.model_runner, forward_batch_generation=target_forward)
-    head = None
+    head = dgraph = None
     if graphs:
         head = TevDraftHead(lm_head=None, block_size=K, topk=k, max_bs=max(buckets), device="cpu", topk_fn=head_topk)
-        w._draft_sampler = head
         dgraph = DraftGraph(drafter, head, K=K, V=V, buckets=buckets)
-        w.draft_model_runner = SimpleNamespace(forward=dgraph.forward, kv_index_translator=translator)
+        forward = dgraph.forward
     else:
-        w.draft_model_runner = SimpleNamespace(forward=draft_forward, kv_index_translator=translator)
-    w._append_target_hidden_to_draft_kv_by_loc = lambda **kw: None
-    w._tev_generator = torch.Generator().manual_seed(0)
-    # a one-rank TP sync that is on: the round adopts "rank 0's" decision through it (identity here)
-    w._tp_sync = SimpleNamespace(enabled=lambda site: True, sync=lambda site, t: t)
+        forward = draft_forward
+    w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier="tev",
+                         model_runner=model_runner, target_forward=target_forward, draft_forward=forward,
+                         translator=translator)
+    if head is not None:
+        w._draft_sampler = head  # what init_cuda_graphs installs (dflash_worker_v2.py:884-998)
 
     greedy = SamplingBatchInfo(
         temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),

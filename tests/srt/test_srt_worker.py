@@ -25,7 +25,7 @@ import pytest
 import torch
 from tiny_pair import plain_greedy
 
-from sglang_worker_fakes import FakeKV, FakeTranslator  # noqa: E402
+from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker  # noqa: E402
 from sglang_tev.testing.sglang_cpu.required import require_sglang  # noqa: E402
 
 require_sglang()
@@ -42,7 +42,6 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
     from transformers import AutoModelForCausalLM
 
     import sglang_tev.srt.worker as W
-    from sglang_tev.srt.config import TevSettings
     from sglang_tev.srt.kv_headroom import required_row_extra
 
     target = AutoModelForCausalLM.from_pretrained(ROOT / "sglang_tev/assets/tiny-code/target", dtype=torch.float32).eval()
@@ -126,16 +125,8 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
 
     appended = []
     fake_kv = FakeKV(kv)
-    w = object.__new__(W.TEVWorker)
-    w.tev = TevSettings(tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier)
-    w.block_size, w.device, w._mask_token_id = K, "cpu", 1
-    w._noise_embed_scale, w._full_embed_gpu, w._target_logits_processor = 1.0, None, None
-    w._block_pos_offsets = torch.arange(K)
-    w._draft_block_spec_info = None
-    w.draft_parallel_layout = SimpleNamespace(tp_group=None)
-    w.draft_model = SimpleNamespace()
     translator = FakeTranslator()
-    w.model_runner = SimpleNamespace(
+    model_runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         kv_index_translator=translator,
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: fake_kv, page_size=1),
@@ -143,13 +134,9 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
         # rows exactly as long as the plugin's headroom makes them (the worker checks on its first decode)
         model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1)),
     )
-    w._row_headroom_checked = False
-    w._target_worker = SimpleNamespace(model_runner=w.model_runner, forward_batch_generation=target_forward)
-    w.draft_model_runner = SimpleNamespace(forward=draft_forward, kv_index_translator=translator)
-    w._append_target_hidden_to_draft_kv_by_loc = lambda **kw: appended.append(kw)
-    w._tev_generator = torch.Generator().manual_seed(0)
-    # a one-rank TP sync that is on: the round adopts "rank 0's" decision through it (identity here)
-    w._tp_sync = SimpleNamespace(enabled=lambda site: True, sync=lambda site, t: t)
+    w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier,
+                         model_runner=model_runner, target_forward=target_forward, draft_forward=draft_forward,
+                         translator=translator, append_draft_kv=lambda **kw: appended.append(kw))
 
     greedy = SamplingBatchInfo(
         temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),
