@@ -1,0 +1,324 @@
+"""Load-adaptive trees: each round's tree size from this round's draft, a calibration learned from
+past rounds' exit laws, and the measured cost of rounds (DESIGN §2; paper Eq. 2 and 6).
+
+What a node is worth. In a best-first tree (DDTree, the lattice DDTree) nodes join in pop order,
+by non-increasing draft path score ``s(v) = sum log q`` along the path, and the first ``b`` nodes
+ARE the budget-``b`` tree. A round with tree ``T`` emits ``1 + sum_{v in T} P(v)`` tokens in
+expectation (the bonus token plus the coverage C_p, Eq. 6), where the target reach probability
+``P(v)`` (Eq. 2) of a node does not depend on the rest of the tree. After every verify forward the
+exit law gives ``P(v)`` of every node exactly, so each verified round labels each node's draft
+score with the reach it had: :class:`ReachCalibration` learns ``E[P(v) | s(v)]`` from those labels,
+per temperature regime (greedy rows learn hit rates: ``P`` is 1 on the accepted path and 0
+elsewhere). Its fit is made non-increasing in the score, so a row's node values are non-increasing
+in pop order, as the scores are.
+
+What a round costs. The runtime measures seconds per round as a function of the batch and the
+verify tokens (``cost(width)`` or ``cost(total)``): a *ragged* runtime pays for the sum of the
+rows' tree sizes, a *padded* one for the batch times the largest.
+
+The choice (:func:`allocate`). Given every row's node values, one budget per row that maximises
+expected tokens per second. With a long-run rate ``rate`` (tokens per second the runtime already
+reaches), the round maximises ``tokens - rate * seconds`` (Dinkelbach's step: a confident round
+takes every node worth more than the time it costs at that rate, an unconfident one few); without
+one, the round's own ratio ``tokens / seconds``. Ragged: the nodes of all rows ranked together by
+value (a prefix of a row's non-increasing values is its best-first sub-tree), the total chosen on
+the cost curve. Padded: one width for every row. Both equal brute force over all budget vectors
+(``tests/core/test_planner.py``).
+
+Exactness: the plan depends only on this round's draft (fixed before the target is read) and on
+past rounds, never on this round's target probabilities or draws; an exact verifier samples the
+target law given whatever tree it gets, so the output law is untouched.
+
+Torch is needed only by :func:`node_path_scores`; the rest is host arithmetic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from .spec import SpecError, is_greedy
+
+__all__ = ["SCORE_EDGES", "ReachCalibration", "Allocation", "allocate", "regime_of", "node_path_scores"]
+
+SCORE_EDGES = (0.0, -0.01, -0.03, -0.06, -0.1, -0.17, -0.25, -0.35, -0.5, -0.7, -1.0, -1.4, -2.0, -2.8, -4.0,
+               -5.5, -8.0, -12.0)
+"""Bin edges over the draft path score (natural-log units): bin ``i`` holds scores in
+``(SCORE_EDGES[i + 1], SCORE_EDGES[i]]``, the last bin everything at or below ``-12``."""
+
+LAYOUTS = ("ragged", "padded")
+
+
+def regime_of(temperature: float) -> str:
+    """The calibration's regime key of a row's temperature: ``"greedy"``, or the temperature
+    rounded to a tenth (``"T0.7"``): the reach of a node at a given draft score depends on the
+    target law it is verified under."""
+    if is_greedy(temperature):
+        return "greedy"
+    return f"T{round(float(temperature), 1):g}"
+
+
+def _bin(score: float) -> int:
+    # SCORE_EDGES is decreasing: count the edges strictly above the score, minus one
+    neg = -score
+    return min(len(SCORE_EDGES) - 1, max(0, bisect.bisect_left(_NEG_EDGES, neg) - 1))
+
+
+_NEG_EDGES = tuple(-e for e in SCORE_EDGES)  # increasing, for bisect
+
+
+def _prior(i: int) -> float:
+    """Prior reach of bin ``i``: the draft probability ``exp(s)`` at the bin's middle (a calibrated
+    drafter's reach)."""
+    hi = SCORE_EDGES[i]
+    lo = SCORE_EDGES[i + 1] if i + 1 < len(SCORE_EDGES) else SCORE_EDGES[-1] - 4.0
+    return math.exp(0.5 * (hi + lo))
+
+
+def _antitone(means: list[float], weights: list[float]) -> list[float]:
+    """Weighted isotonic fit, non-increasing along the list (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum w*x, sum w, length]
+    for x, w in zip(means, weights):
+        blocks.append([x * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            sx, sw, n = blocks.pop()
+            blocks[-1][0] += sx
+            blocks[-1][1] += sw
+            blocks[-1][2] += n
+    out: list[float] = []
+    for sx, sw, n in blocks:
+        out.extend([sx / sw] * int(n))
+    return out
+
+
+class ReachCalibration:
+    """Draft path score -> expected target reach ``E[P(v) | s(v)]``, learned online per regime.
+
+    Per regime and score bin (:data:`SCORE_EDGES`) a running mean of the reach labels, starting at
+    the prior ``exp(s)`` with weight ``prior_weight`` and moving as an EMA of weight ``alpha`` once
+    ``1 / alpha`` labels are in (the drafter's context, the prompt mix and the load change); read
+    through a fit that is non-increasing in the score.
+
+    Args:
+        alpha: the EMA weight per label once a bin has ``1 / alpha`` labels (0 < alpha <= 1).
+        prior_weight: pseudo-labels of the prior per bin (>= 0).
+    Raises:
+        SpecError naming ``alpha`` / ``prior_weight``: out of range.
+    """
+
+    def __init__(self, alpha: float = 0.002, prior_weight: float = 2.0) -> None:
+        if not 0 < alpha <= 1:
+            raise SpecError("alpha", f"must be in (0, 1], got {alpha!r}")
+        if not prior_weight >= 0:
+            raise SpecError("prior_weight", f"must be >= 0, got {prior_weight!r}")
+        self.alpha, self.prior_weight = float(alpha), float(prior_weight)
+        self.means: dict[str, list[float]] = {}
+        self.counts: dict[str, list[float]] = {}
+        self._fit: dict[str, list[float]] = {}
+
+    def _regime(self, regime: str) -> tuple[list[float], list[float]]:
+        m = self.means.get(regime)
+        if m is None:
+            m = self.means[regime] = [_prior(i) for i in range(len(SCORE_EDGES))]
+            self.counts[regime] = [self.prior_weight] * len(SCORE_EDGES)
+        return m, self.counts[regime]
+
+    def update(self, regime: str, scores: Iterable[float], reach: Iterable[float]) -> None:
+        """Fold labels in: the draft path score of each verified node and its reach ``P(v)``
+        (0..1; for greedy rows 1 if the node was on the accepted path, else 0)."""
+        means, counts = self._regime(regime)
+        lo = 1.0 / self.alpha
+        for s, p in zip(scores, reach):
+            i = _bin(float(s))
+            n = counts[i] + 1.0
+            counts[i] = min(n, lo)  # past 1 / alpha labels the weight stays alpha
+            means[i] += (min(1.0, max(0.0, float(p))) - means[i]) / max(1.0, counts[i])
+        self._fit.pop(regime, None)
+
+    def table(self, regime: str) -> list[float]:
+        """The fitted reach per bin of ``regime`` (non-increasing; the prior before any label)."""
+        fit = self._fit.get(regime)
+        if fit is None:
+            means, counts = self._regime(regime)
+            fit = self._fit[regime] = _antitone(means, [max(c, 1e-9) for c in counts])
+        return fit
+
+    def value(self, regime: str, score: float) -> float:
+        """The expected reach of one node of draft path score ``score`` under ``regime``."""
+        return self.table(regime)[_bin(float(score))]
+
+    def values(self, regime: str, scores: Sequence[float]) -> list[float]:
+        """:meth:`value` of each score (a row's frontier in pop order -> non-increasing values)."""
+        t = self.table(regime)
+        return [t[_bin(float(s))] for s in scores]
+
+    def to_json(self) -> dict:
+        return {"edges": list(SCORE_EDGES), "alpha": self.alpha, "prior_weight": self.prior_weight,
+                "means": self.means, "counts": self.counts}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ReachCalibration":
+        """The calibration :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: other bin edges, or per-regime lists of the wrong length / out of range.
+        """
+        if list(data.get("edges", ())) != list(SCORE_EDGES):
+            raise ValueError("calibration: written with other score bins")
+        cal = cls(float(data["alpha"]), float(data["prior_weight"]))
+        for regime, means in data["means"].items():
+            counts = data["counts"][regime]
+            if len(means) != len(SCORE_EDGES) or len(counts) != len(SCORE_EDGES):
+                raise ValueError(f"calibration: regime {regime!r} has {len(means)} bins, want {len(SCORE_EDGES)}")
+            if not all(0.0 <= float(x) <= 1.0 for x in means) or not all(float(c) >= 0 for c in counts):
+                raise ValueError(f"calibration: regime {regime!r} holds values out of range")
+            cal.means[str(regime)] = [float(x) for x in means]
+            cal.counts[str(regime)] = [float(c) for c in counts]
+        return cal
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One round's choice.
+
+    Attributes:
+        budgets: per row, the nodes (root excluded) of its tree, in the rows' order.
+        tokens: expected committed tokens of the round (one per row plus the chosen values).
+        seconds: the cost the choice was made with.
+        size: what the cost was read at (the total of the budgets when ragged, the width padded).
+    """
+
+    budgets: tuple[int, ...]
+    tokens: float
+    seconds: float
+    size: int
+
+    @property
+    def rate(self) -> float:
+        """Expected tokens per second."""
+        return self.tokens / self.seconds
+
+
+def _check_values(values) -> list[list[float]]:
+    rows = [[float(v) for v in row] for row in values]
+    if not rows:
+        raise SpecError("values", "one list of node values per row, got no rows")
+    for r, row in enumerate(rows):
+        if any(not 0.0 <= v <= 1.0 for v in row):
+            raise SpecError("values", f"row {r}: node values are reach probabilities in [0, 1], got {row}")
+        if any(a < b for a, b in zip(row, row[1:])):
+            raise SpecError("values", f"row {r}: node values must be non-increasing in pop order, got {row}")
+    return rows
+
+
+def allocate(values: Sequence[Sequence[float]], cost: Callable[[int], float | None], *, layout: str = "ragged",
+             sizes: Iterable[int] | None = None, rate: float | None = None) -> Allocation | None:
+    """The budgets of one round that maximise expected tokens per second.
+
+    Args:
+        values: per row, the calibrated values (expected reach, in [0, 1]) of its frontier nodes
+            in pop order, non-increasing; a row's list length is the most nodes it may take.
+        cost: seconds of the round as a function of its size (``None``: unknown, not chosen):
+            the total of the budgets (``layout="ragged"``) or the width every row is padded to
+            (``"padded"``); size 0 is a root-only round.
+        layout: ``"ragged"`` or ``"padded"``.
+        sizes: the sizes that may be chosen (None: every size from 0 to the most nodes).
+        rate: the long-run tokens per second the runtime reaches (>0): maximise
+            ``tokens - rate * seconds``; None: maximise ``tokens / seconds``.
+    Returns:
+        The best :class:`Allocation` (ties to the smaller size), or None when no allowed size has
+        a known cost.
+    Raises:
+        SpecError naming ``values`` (empty, out of [0, 1], increasing within a row), ``layout`` or
+        ``rate``; ValueError when ``cost`` returns a non-positive number.
+    """
+    rows = _check_values(values)
+    if layout not in LAYOUTS:
+        raise SpecError("layout", f"must be one of {LAYOUTS}, got {layout!r}")
+    if rate is not None and not rate > 0:
+        raise SpecError("rate", f"must be > 0 tokens per second or None, got {rate!r}")
+    b = len(rows)
+    if layout == "ragged":
+        # all rows' nodes by value desc (ties: row, then pop order): each prefix is prefix-closed per row
+        order = list(heapq.merge(*[[(-v, r, i) for i, v in enumerate(row)] for r, row in enumerate(rows)]))
+        top = len(order)
+    else:
+        top = max(len(row) for row in rows)
+    allowed = sorted({int(s) for s in sizes if 0 <= int(s) <= top}) if sizes is not None else list(range(top + 1))
+    best, best_key = None, None
+    prefix, taken = 0.0, 0
+    cum = [[0.0] for _ in rows]
+    if layout == "padded":
+        for r, row in enumerate(rows):
+            for v in row:
+                cum[r].append(cum[r][-1] + v)
+    for size in allowed:
+        sec = cost(size)
+        if sec is None:
+            continue
+        if not sec > 0:
+            raise ValueError(f"cost({size}) must be > 0 seconds, got {sec!r}")
+        if layout == "ragged":
+            while taken < size:
+                prefix += -order[taken][0]
+                taken += 1
+            tokens = b + prefix
+        else:
+            tokens = b + sum(c[min(size, len(c) - 1)] for c in cum)
+        key = tokens / sec if rate is None else tokens - rate * sec
+        if best_key is None or key > best_key + 1e-12:
+            best_key, best = key, (size, tokens, sec)
+    if best is None:
+        return None
+    size, tokens, sec = best
+    if layout == "ragged":
+        budgets = [0] * b
+        for _, r, _ in order[:size]:
+            budgets[r] += 1
+    else:
+        budgets = [min(size, len(row)) for row in rows]
+    return Allocation(tuple(budgets), tokens, sec, size)
+
+
+def node_path_scores(tree, drafted):
+    """float64 [b, N]: each node's draft path score ``sum log q`` along its path (root 0; padded
+    nodes ``-inf``), the score DDTree ranks it by (temperature 1, as the builders).
+
+    Args:
+        tree: the round's :class:`~sglang_tev.tree.DraftTree` (nodes in pop order).
+        drafted: what the tree was built from: draft logits float [b, H, V] (row j = depth j + 1,
+            marginal mode), or a :class:`~sglang_tev.draft.dflash2.SelectorLattice`
+            (``candidate_ids`` [b, D, k], ``transition_logq`` [b, D, k, k]: a node's edge is read
+            from the transition row of its parent's candidate, slot 0 from row 0).
+    """
+    import torch
+
+    b, n = tree.parents.shape
+    dev = tree.parents.device
+    depth = tree.depth
+    real = tree.valid.clone()
+    real[:, 0] = False
+    d0 = (depth - 1).clamp(min=0)
+    if hasattr(drafted, "transition_logq"):
+        ids, trans = drafted.candidate_ids, drafted.transition_logq.to(torch.float64)
+        D, k = ids.shape[1], ids.shape[2]
+        d0 = d0.clamp(max=D - 1)
+        cand_rows = ids.gather(1, d0.unsqueeze(-1).expand(b, n, k))  # [b, N, k]: the node's slot's candidates
+        cidx = (cand_rows == tree.tokens.unsqueeze(-1)).to(torch.int64).argmax(-1)  # [b, N]
+        pc = cidx.gather(1, tree.parents.clamp(min=0))
+        pc = torch.where(depth <= 1, torch.zeros_like(pc), pc)  # slot 0's law is row 0
+        flat = ((d0 * k + pc) * k + cidx)
+        edge = trans.reshape(b, -1).gather(1, flat)
+    else:
+        logits = drafted.to(torch.float32)
+        H = logits.shape[1]
+        d0 = d0.clamp(max=H - 1)
+        lse = torch.logsumexp(logits, -1).to(torch.float64)  # [b, H]
+        at = logits.gather(2, tree.tokens.unsqueeze(1).expand(b, H, n)).to(torch.float64)  # [b, H, N]
+        edge = at.gather(1, d0.unsqueeze(1)).squeeze(1) - lse.gather(1, d0)
+    edge = torch.where(real, edge, torch.zeros_like(edge))
+    score = (tree.ancestor_mask.to(torch.float64) * edge.unsqueeze(1)).sum(-1)
+    return torch.where(tree.valid, score, torch.full_like(score, float("-inf"))).to(dev)
