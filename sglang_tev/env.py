@@ -46,6 +46,7 @@ __all__ = [
     "DFLASH2_MODE",
     "CACHE",
     "NATIVE",
+    "PLAN_CACHE",
     "REFERENCE_ATTENTION",
     "CPU_ATTN_IGNORE_MASK",
     "CPU_HARNESS",
@@ -195,6 +196,7 @@ TOPK = "SGLANG_TEV_TOPK"
 DFLASH2_MODE = "SGLANG_TEV_DFLASH2_MODE"
 CACHE = "SGLANG_TEV_CACHE"
 NATIVE = "SGLANG_TEV_NATIVE"
+PLAN_CACHE = "SGLANG_TEV_PLAN_CACHE"
 REFERENCE_ATTENTION = "SGLANG_TEV_REFERENCE_ATTENTION"
 CPU_ATTN_IGNORE_MASK = "SGLANG_TEV_CPU_ATTN_IGNORE_MASK"
 CPU_HARNESS = "SGLANG_TEV_CPU_HARNESS"
@@ -219,6 +221,9 @@ _VARIABLES = (
     Variable(NATIVE, _native, True, "0 | false | no | off (any case) turn it off; anything else leaves it on",
              "build and use the native C host helpers (DDTree builder, greedy walk, KV move); off: the "
              "identical Python paths", USER),
+    Variable(PLAN_CACHE, _native, True, "0 | false | no | off (any case) turn it off; anything else leaves it on",
+             "budget=\"auto\" keeps what it learned (cost table, gains, reach calibration) per machine, model "
+             "pair and dtype under $SGLANG_TEV_CACHE/plan, so a fresh process starts from it", USER),
     Variable(REFERENCE_ATTENTION, _exactly_one, False, "1 = on; anything else off",
              "register the SGLang plugin's pure-torch tev_cpu attention backend on a GPU machine too "
              "(a reference for mask layouts)", USER),

@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
+from .planner import ReachCalibration, allocate
 from .spec import MAX_BUDGET, SpecError, check_budget
 
-__all__ = ["RoundPlan", "BudgetPolicy", "FixedBudget", "AutoBudget"]
+__all__ = ["RoundPlan", "BudgetPolicy", "FixedBudget", "AutoBudget", "TreePlanner"]
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,132 @@ class AutoBudget:
 
     def observe(self, plan: RoundPlan, reach_cum, seconds: float) -> None:
         self.controller.observe(len(plan.budgets), plan.budget, reach_cum, seconds)
+
+
+class TreePlanner(AutoBudget):
+    """``budget="auto"`` with this round's draft: the width of each round's trees from the
+    calibrated values of the nodes the builder produced (:mod:`sglang_tev.planner`).
+
+    Two stages. Before the draft, the cost controller's choice from past rounds
+    (:class:`AutoBudget`: plain decoding or trees, calibration, probes, trials). In its steady
+    rounds (calibrated, no trial, the choice itself, a tree) the tree is built one grid step
+    larger (the headroom), and after the build :meth:`refine` cuts it to the grid width ``w``
+    that maximises ``tokens - rate * seconds`` over the rows' calibrated node values
+    (:func:`~sglang_tev.planner.allocate`, padded layout: the transformers runtime pads rows to one
+    width), ``rate`` the tokens per second of recent rounds of this batch size (an EMA), the
+    seconds the controller's cost table at (batch, w). The verified round's exit law labels every
+    node's score with its reach (:meth:`observe` with ``reach_nodes``) for the calibration; the
+    controller sees the round at the width it ran.
+
+    Args:
+        controller, block_size: as :class:`AutoBudget`.
+        calibration: a :class:`~sglang_tev.planner.ReachCalibration` (kept across calls by the
+            runtime, persisted with the cost table); None: a fresh one.
+        rate_alpha: the EMA weight of the rate per round (0 < rate_alpha <= 1).
+        headroom: ``"step"`` (default) or ``"capacity"``, see :meth:`headroom`.
+    Raises:
+        SpecError naming ``controller`` (as :class:`AutoBudget`), ``rate_alpha`` or ``headroom``.
+    """
+
+    def __init__(self, controller, block_size: int | None = None, calibration: ReachCalibration | None = None,
+                 rate_alpha: float = 0.1, headroom: str = "step") -> None:
+        super().__init__(controller, block_size)
+        if not 0 < rate_alpha <= 1:
+            raise SpecError("rate_alpha", f"must be in (0, 1], got {rate_alpha!r}")
+        self.calibration = calibration if calibration is not None else ReachCalibration()
+        self.rate_alpha = float(rate_alpha)
+        if headroom not in ("step", "capacity"):
+            raise SpecError("headroom", f"must be 'step' or 'capacity', got {headroom!r}")
+        self.headroom_mode = headroom
+        self._rate: dict[int, list[float]] = {}   # batch -> [EMA tokens, EMA seconds]
+        self._pending: tuple | None = None        # (plan, regimes, scores) of the refined round
+        self.widths: list[tuple[int, int, int]] = []  # (batch, ceiling, width) of refined rounds, last 10,000
+
+    def plan(self, batch: int) -> RoundPlan:
+        b = self.controller.choose(batch)
+        st = self.controller.state(batch)
+        steady = b > 0 and st.calibrated and st.trial is None and b == st.current
+        if steady:
+            b = self.headroom(b)
+        p = self._plans.get((batch, b, steady))
+        if p is None:
+            depth = None if self.block_size is None else min(self.block_size - 1, b)
+            reach_at = tuple(self.controller.grid_upto(b)) if not steady else ()
+            p = self._plans[batch, b, steady] = _RefinablePlan((b,) * batch, self.capacity, draft_depth=depth,
+                                                               reach_at=reach_at, refinable=steady)
+        return p
+
+    def headroom(self, budget: int) -> int:
+        """The budget a steady round's tree is built at before :meth:`refine` cuts it: the grid's
+        largest (``headroom="capacity"``) or the next grid budget above the controller's choice
+        (``"step"``)."""
+        if self.headroom_mode == "capacity":
+            return self.capacity
+        up = [g for g in self.controller.grid if g > budget]
+        return up[0] if up else budget
+
+    def rate(self, batch: int) -> float | None:
+        """Recent tokens per second at this batch size (expected tokens from the rounds' reach),
+        None before any round."""
+        r = self._rate.get(batch)
+        return None if r is None or r[1] <= 0 else r[0] / r[1]
+
+    def refine(self, plan: RoundPlan, scores: Sequence[Sequence[float]], regimes: Sequence[str]) -> RoundPlan:
+        """The plan cut to this round's draft (``plan`` itself when it is not refinable).
+
+        Args:
+            plan: what :meth:`plan` returned this round.
+            scores: per row, the draft path scores of its tree's non-root nodes in pop order
+                (:func:`~sglang_tev.planner.node_path_scores`, padded nodes left out).
+            regimes: per row, its calibration regime (:func:`~sglang_tev.planner.regime_of`).
+        """
+        if not getattr(plan, "refinable", False):
+            # not cut (calibration, probes, trials), but its nodes still label the calibration
+            self._pending = (plan, list(regimes), [list(s) for s in scores]) if plan.budget > 0 else None
+            return plan
+        batch, ceiling = len(plan.budgets), plan.budget
+        values = [self.calibration.values(g, s) for g, s in zip(regimes, scores)]
+        sizes = self.controller.grid_upto(ceiling)
+        costs = self.controller.costs
+        alloc = allocate(values, lambda w: costs.cost(batch, w), layout="padded", sizes=sizes, rate=self.rate(batch))
+        w = ceiling if alloc is None else max(1, alloc.size)
+        w = min(ceiling, next((g for g in sizes if g >= w), ceiling))
+        self.widths.append((batch, ceiling, w))
+        del self.widths[:-10000]
+        out = self._plans.get((batch, w, "refined"))
+        if out is None:
+            depth = None if self.block_size is None else min(self.block_size - 1, w)
+            out = self._plans[batch, w, "refined"] = RoundPlan((w,) * batch, self.capacity, draft_depth=depth,
+                                                               reach_at=tuple(self.controller.grid_upto(w)))
+        self._pending = (out, list(regimes), [list(s) for s in scores])
+        return out
+
+    def observe(self, plan: RoundPlan, reach_cum, seconds: float, reach_nodes=None) -> None:
+        """As :meth:`AutoBudget.observe`, plus: ``reach_nodes`` (per row, the reach ``P(v)`` of
+        the tree's nodes root first, as verified) label the refined round's scores for the
+        calibration; the rate EMA moves by this round's expected tokens over its seconds."""
+        super().observe(plan, reach_cum, seconds)
+        batch = len(plan.budgets)
+        tokens = float(batch)
+        if reach_cum:
+            tokens += sum(r[-1] for r in reach_cum)
+        ema = self._rate.get(batch)
+        if ema is None:
+            self._rate[batch] = [tokens, seconds]
+        else:
+            a = self.rate_alpha
+            ema[0] += a * (tokens - ema[0])
+            ema[1] += a * (seconds - ema[1])
+        pending, self._pending = self._pending, None
+        if pending is not None and reach_nodes is not None and pending[0] is plan:
+            _, regimes, scores = pending
+            for g, s, p in zip(regimes, scores, reach_nodes):
+                m = min(len(s), max(0, len(p) - 1), plan.budget)
+                self.calibration.update(g, s[:m], p[1: m + 1])
+
+
+@dataclass(frozen=True)
+class _RefinablePlan(RoundPlan):
+    """A :class:`RoundPlan` the policy may still cut after the draft (:meth:`TreePlanner.refine`)."""
+
+    refinable: bool = False

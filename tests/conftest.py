@@ -24,6 +24,9 @@ import torch
 # The tests run tiny models: one thread is faster than two, and far faster when another job
 # loads the second core (thread hand-offs then stall for whole scheduler slices).
 torch.set_num_threads(1)
+# budget="auto" would carry what one test's runtime learned into the next through the plan
+# cache in ~/.cache (tests/runtime/test_plan_cache.py turns it on, in a temporary folder)
+os.environ["SGLANG_TEV_PLAN_CACHE"] = "0"
 # the helper modules shared by every tier (tiny_pair, exact_law, ...) sit in this folder
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -47,6 +47,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--cost-table", metavar="FILE",
                    help="with --budget auto: seconds per round by batch size and budget from 'sglang-tev tune "
                         "--output FILE', read instead of timing rounds (the choices, and seeded runs, then repeat)")
+    g.add_argument("--no-plan-cache", action="store_true",
+                   help="with --budget auto: neither read nor write what earlier runs learned (cost table, gains, "
+                        "reach calibration; kept per machine, model pair and dtype under ~/.cache/sglang_tev/plan; "
+                        "also SGLANG_TEV_PLAN_CACHE=0)")
     g.add_argument("--verifier", choices=VERIFIERS, default="tev",
                    help="verifier of the DDTree (and of --method chain) (default tev)")
     g.add_argument("--method", choices=METHODS,
@@ -243,7 +247,10 @@ def _cmd_generate_batch(args, file_prompts: list) -> int:
 
 
 def _use_cost_table(gen, args) -> None:
-    """``--cost-table FILE``: the generator's ``budget="auto"`` reads this frozen table."""
+    """``--cost-table FILE``: the generator's ``budget="auto"`` reads this frozen table (and then
+    neither reads nor writes the plan cache); ``--no-plan-cache``: the cache is off."""
+    if getattr(args, "no_plan_cache", False):
+        gen.plan_cache = False
     if getattr(args, "cost_table", None) is None:
         return
     gen.cost_table = args.cost_table  # loaded and checked by _check_generate_args (the generator

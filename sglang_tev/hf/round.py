@@ -34,6 +34,7 @@ from ..draft.dflash2 import SelectorLattice
 from ..draft.lattice import build_lattice_tree, selector_chain
 from ..native import native
 from ..plan import BudgetPolicy, RoundPlan
+from ..planner import node_path_scores, regime_of
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 from ..verify import num_uniforms, verify_tree
@@ -160,16 +161,23 @@ def run_round(state: BatchState) -> list[int]:
     drafted = draft(state, sl, roots, lens, depth_cap)
     lap("draft")
     tree = build(state, drafted, roots, depth_cap)
+    learns = drafted is not None and state.method != "chain" and hasattr(state.policy, "refine")
+    if learns:  # the planner cuts the tree to this round's draft
+        tree = refine(state, tree, drafted)
+        plan = state.plan
     inputs = forward_inputs(state, sl, tree, lens)
     lap("build")
     logits, feats = tree_forward(state, tree, inputs)
     lap("tree_forward")
     reach_at = plan.reach_at if drafted is not None else None
-    decision = verify(state, tree, logits, reach_at)
+    decision = verify(state, tree, logits, reach_at, reach_nodes=learns)
     lap("verify")
     finished = commit(state, sl, tree, lens, feats, decision, times)
     lap("commit")
-    state.policy.observe(plan, decision.reach_cum, time.perf_counter() - t0)
+    if learns:
+        state.policy.observe(plan, decision.reach_cum, time.perf_counter() - t0, reach_nodes=decision.reach_nodes)
+    else:
+        state.policy.observe(plan, decision.reach_cum, time.perf_counter() - t0)
     state.round_no += 1
     return finished
 
@@ -254,6 +262,20 @@ def build(state: BatchState, drafted, roots, depth_cap: list[int]) -> DraftTree:
     if state.method == "chain":
         return build_chain(drafted, roots, depth_cap, leaf, state.n_nodes)
     return build_ddtree(drafted, state.budget, roots, validate=state.first, depth_limit=cap_t, leaf_tokens=leaf)
+
+
+def refine(state: BatchState, tree: DraftTree, drafted) -> DraftTree:
+    """Ask the planner (:meth:`sglang_tev.plan.TreePlanner.refine`) for this round's width from
+    the tree's draft path scores, and cut the tree to it: a best-first tree's first ``w`` nodes
+    are its budget-``w`` tree. Sets ``state.plan`` to the refined plan."""
+    scores = node_path_scores(tree, drafted)[:, 1:].tolist()  # on CUDA one more small read
+    per_row = [[x for x in row if x != float("-inf")] for row in scores]
+    regimes = [regime_of(0.0 if r.greedy else _first(r.req.sampling.temperature)) for r in state.rows]
+    plan = state.plan = state.policy.refine(state.plan, per_row, regimes)
+    n = plan.budget + 1
+    if n < tree.num_nodes:
+        tree = DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
+    return tree
 
 
 def _chain_draws(state: BatchState, slots: int):
@@ -401,7 +423,8 @@ def row_uniforms(state: BatchState, n: int) -> torch.Tensor | None:
     return u
 
 
-def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor, reach_at: Sequence[int] | None = None):
+def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor, reach_at: Sequence[int] | None = None,
+           reach_nodes: bool = False):
     """Controls at every node, the verifier, and the round's one host sync: the decision and
     each row's first valid node with non-finite logits (the finiteness check) read back
     together (:meth:`~sglang_tev.verify.VerifyOutput.host`).
@@ -418,7 +441,8 @@ def verify(state: BatchState, tree: DraftTree, logits: torch.Tensor, reach_at: S
     vout = verify_tree(tree, logits, method=state.verifier, sampling=sampling, uniforms=row_uniforms(state, n),
                        validate=False)
     # non-finite logits at any valid node (NaN, +inf, or only -inf in a row) stop the call
-    dec = vout.host(tree, check_finite=logits, reach_at=reach_at or None)  # the one host sync of the round
+    dec = vout.host(tree, check_finite=logits, reach_at=reach_at or None,  # the one host sync of the round
+                    reach_nodes=reach_nodes)
     for i, v in enumerate(dec.first_nonfinite):
         if v >= 0:
             r = rows[i]

@@ -37,7 +37,9 @@ from .assets import shipped_pair_default
 from .controls import Controls
 from .records import STAGES, GenerationResult, Request, RoundStats, Row
 from .round import NonFiniteLogitsError
-from ..plan import AutoBudget, BudgetPolicy, FixedBudget
+from ..plan import AutoBudget, BudgetPolicy, FixedBudget, TreePlanner
+from ..planner import ReachCalibration
+from . import plan_cache as _plan_cache
 from .autobudget import DEFAULT_GRID, BudgetController, CostTable
 from .scheduler import DecodeBuffers, Scheduler
 from .static_cache import StaticKVCache, cache_kwargs  # noqa: F401 - cache_kwargs: tests and benchmarks import it from here
@@ -148,7 +150,8 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, target, drafter=None, tokenizer=None, *, static_shapes: bool = False,
-                 cuda_graphs: bool = False, graph_backend=None, cost_table=None) -> None:
+                 cuda_graphs: bool = False, graph_backend=None, cost_table=None,
+                 plan_cache: bool | None = None) -> None:
         from .dflash_runner import StaticDFlashDrafter
         from .drafters import DFlashDrafter, SequenceDrafterAdapter
 
@@ -189,6 +192,17 @@ class SpeculativeGenerator:
             self.cost_table = CostTable.load(cost_table, frozen=True)
         self.budget_grid: tuple[int, ...] = DEFAULT_GRID
         self._controllers: dict = {}  # budget="auto": one BudgetController per target law
+        self.calibration = ReachCalibration()  # budget="auto": draft score -> reach, per regime
+        # budget="auto" cuts each round's trees to this round's draft (TreePlanner); False: one
+        # budget per round from past rounds only (AutoBudget), for comparison
+        self.adaptive_width = True
+        # budget="auto" keeps what it learned across processes (hf/plan_cache.py); never into a
+        # table the caller gave (a frozen one from `tune` must choose the same budgets)
+        if plan_cache is None:
+            plan_cache = _plan_cache.enabled()
+        self.plan_cache = bool(plan_cache) and cost_table is None
+        self._plan_store: _plan_cache.PlanCache | None = None
+        self._saved_gains: dict = {}
 
     @classmethod
     @shipped_pair_default  # target None / "tiny-code": the shipped pair; no progress bars while loading
@@ -417,24 +431,31 @@ class SpeculativeGenerator:
             if cap > self.drafter.max_rows and method != "autoregressive":
                 raise ValueError(f"batch_size: the drafter {type(getattr(self.drafter, 'inner', self.drafter)).__name__} "
                                  f"serves one sequence at a time; use batch_size=1 or a BatchDrafter")
+        policy = self._budget_policy(budget, method, requests, K)
         Scheduler(self._target, self.drafter, self._buffers, rows, cap, method, vmethod,
-                  self._budget_policy(budget, method, requests, K), K, stream,
+                  policy, K, stream,
                   tokenizer=self.tokenizer, static=self.static_shapes or self.cuda_graphs,
                   time_stages=self.time_stages, draft_mode=mode).run()
+        if isinstance(policy, TreePlanner):
+            self._save_plan_cache()
         self._finish(rows, single=len(rows) == 1)
         return [r.result for r in rows]
 
     def _budget_policy(self, budget, method: str, requests, block_size: int | None) -> BudgetPolicy:
         """The call's :class:`~sglang_tev.plan.BudgetPolicy`: ``budget="auto"`` on a tree method
-        -> :class:`~sglang_tev.plan.AutoBudget` over this target law's controller; otherwise
+        -> :class:`~sglang_tev.plan.TreePlanner` over this target law's controller and the
+        runtime's reach calibration (``self.calibration``); otherwise
         :class:`~sglang_tev.plan.FixedBudget` (for ``chain`` / ``autoregressive`` under auto, the
         controller's largest budget: only the buffers read it)."""
         if budget != AUTO:
             return FixedBudget(budget)
+        self._load_plan_cache()
         ctl = self._budget_controller(requests)
         if method in ("chain", "autoregressive"):
             return FixedBudget(ctl.max_budget)
-        return AutoBudget(ctl, block_size)
+        if not self.adaptive_width:
+            return AutoBudget(ctl, block_size)
+        return TreePlanner(ctl, block_size, calibration=self.calibration)
 
     def _budget_controller(self, requests) -> BudgetController:
         """The ``budget="auto"`` controller of this target law (greedy, or the set of sampling
@@ -448,8 +469,42 @@ class SpeculativeGenerator:
         ctl = self._controllers.get(key)
         if ctl is None or ctl.costs is not self.cost_table:
             ctl = self._controllers[key] = BudgetController(grid, self.cost_table)
+            saved = self._saved_gains.get(_gains_name(key))
+            if saved is not None:
+                _plan_cache.restore_gains(ctl, saved)
         ctl.history = []
         return ctl
+
+    # ------------------------------------------------------------------ the plan cache
+    def _plan_key(self) -> dict:
+        drafter = getattr(self.drafter, "model", None) or getattr(getattr(self.drafter, "inner", None), "model", None)
+        return _plan_cache.cache_key(self.target, drafter, self._target.float_dtype, self.device)
+
+    def _load_plan_cache(self) -> None:
+        """Once per runtime, before the first ``budget="auto"`` call: what an earlier process
+        learned with this key (:mod:`sglang_tev.hf.plan_cache`), unless off or a table was given."""
+        if not self.plan_cache or self._plan_store is not None or self.cost_table.frozen:
+            return
+        self._plan_store = _plan_cache.PlanCache(self._plan_key())
+        saved = self._plan_store.load()
+        if saved is None or self.cost_table.seconds:  # this process already measured: keep its own
+            return
+        self.cost_table = saved["cost_table"]
+        self.calibration = saved["calibration"]
+        self._saved_gains = saved["gains"]
+        self._controllers = {}
+
+    def _save_plan_cache(self) -> None:
+        if not self.plan_cache or self._plan_store is None or self.cost_table.frozen:
+            return
+        gains = dict(self._saved_gains)
+        for key, ctl in self._controllers.items():
+            if ctl.costs is self.cost_table:
+                gains[_gains_name(key)] = _plan_cache.controller_gains(ctl)
+        try:
+            self._plan_store.save(self.cost_table, gains, self.calibration)
+        except OSError as e:  # a read-only home must not fail the call that decoded fine
+            warnings.warn(f"plan cache not saved ({self._plan_store.path}: {e})", stacklevel=3)
 
     # ------------------------------------------------------------------ argument checks
     @property
@@ -559,3 +614,9 @@ class SpeculativeGenerator:
             self.past_len = r.past_len
         else:
             self.committed, self.past_len = None, None
+
+
+def _gains_name(key) -> str:
+    """A controller key ``(grid, temperatures)`` as the plan cache's name for its gains."""
+    grid, temps = key
+    return ",".join(map(str, grid)) + "|" + ",".join(f"{t:g}" for t in temps)

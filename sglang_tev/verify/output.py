@@ -29,6 +29,8 @@ class HostDecision:
             else None.
         reach_cum: per tree, ``sum_{i = 1..B'} P(v_i)`` (the coverage of the tree's first B'
             non-root nodes) for each ``B'`` of ``reach_at``, when asked for, else None.
+        reach_nodes: per tree, ``P(v)`` of its valid nodes root first (greedy: 1 on the accepted
+            path, 0 elsewhere), when asked for, else None.
     """
 
     paths: list
@@ -39,6 +41,7 @@ class HostDecision:
     tree_nodes: list
     first_nonfinite: list | None = None
     reach_cum: list | None = None
+    reach_nodes: list | None = None
 
 
 class VerifyOutput:
@@ -107,7 +110,7 @@ class VerifyOutput:
         return "VerifyOutput(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS) + ")"
 
     def host(self, tree: DraftTree, check_finite: torch.Tensor | None = None,
-             reach_at: list[int] | None = None) -> HostDecision:
+             reach_at: list[int] | None = None, reach_nodes: bool = False) -> HostDecision:
         """The decision on the host, in ONE device-to-host transfer (none when the verifier
         decided on the host: its lists are kept).
 
@@ -118,13 +121,17 @@ class VerifyOutput:
                 host verifiers find it in the pass that takes the argmax).
             reach_at: optional increasing budgets ``B'`` in [1, N - 1]: ``reach_cum`` comes back in
                 the same transfer (``budget="auto"``, :mod:`sglang_tev.hf.autobudget`).
+            reach_nodes: also return every valid node's ``P(v)`` in the same transfer (the
+                planner's calibration labels, :class:`sglang_tev.plan.TreePlanner`).
         Returns:
             :class:`HostDecision`.
         """
         if self._host is not None:
             kept = self._host
             cum = None if not reach_at else [_path_reach(p, reach_at) for p in kept[0]]
-            return HostDecision(*kept[:6], first_nonfinite=None if check_finite is None else kept[6], reach_cum=cum)
+            nodes = None if not reach_nodes else [_path_nodes(p, m) for p, m in zip(kept[0], kept[5])]
+            return HostDecision(*kept[:6], first_nonfinite=None if check_finite is None else kept[6], reach_cum=cum,
+                                reach_nodes=nodes)
         path, accept_len, bonus, _, coverage = self._tensors
         b, n = path.shape
         path_tokens = torch.gather(tree.tokens, 1, path.clamp(min=0))
@@ -133,6 +140,9 @@ class VerifyOutput:
         parts = [ints.to(torch.float64), coverage.view(b, 1).to(torch.float64)]  # ids < 2^53: exact
         if check_finite is not None:
             parts.append(check_finite.amax(-1).to(torch.float64))
+        want_nodes = reach_nodes and self.reach is not None
+        if want_nodes:  # before the sub-budget coverages, which come last
+            parts.append(self.reach.to(torch.float64))
         n_reach = len(reach_at) if reach_at else 0
         if n_reach and self.reach is not None:
             cum = self.reach.to(torch.float64)[:, 1:].cumsum(1)  # node 0 is the root
@@ -141,12 +151,18 @@ class VerifyOutput:
         acc = [int(h[2 * n]) for h in rows]
         nodes = [int(h[2 * n + 2]) for h in rows]
         paths = [[int(x) for x in h[: a + 1]] for h, a in zip(rows, acc)]
+        node_reach = None
+        if reach_nodes:
+            end = len(rows[0]) - (n_reach if n_reach and self.reach is not None else 0)
+            node_reach = ([h[end - n: end][:m] for h, m in zip(rows, nodes)] if want_nodes
+                          else [_path_nodes(p, m) for p, m in zip(paths, nodes)])
         reach_cum = None
         if n_reach:
             reach_cum = ([h[-n_reach:] for h in rows] if self.reach is not None
                          else [_path_reach(p, reach_at) for p in paths])
         return HostDecision(
             reach_cum=reach_cum,
+            reach_nodes=node_reach,
             paths=paths,
             path_tokens=[[int(x) for x in h[n: n + a + 1]] for h, a in zip(rows, acc)],
             accept_len=acc,
@@ -163,6 +179,12 @@ def _path_reach(path: list, reach_at: list[int]) -> list[float]:
     nodes is the number of path nodes (root excluded) with index <= B'."""
     nodes = path[1:]
     return [float(sum(1 for v in nodes if v <= x)) for x in reach_at]
+
+
+def _path_nodes(path: list, n_valid: int) -> list[float]:
+    """Greedy law: ``P(v)`` of each of the first ``n_valid`` nodes, 1 on the accepted path, else 0."""
+    on = set(path)
+    return [1.0 if v in on else 0.0 for v in range(n_valid)]
 
 
 def first_nonfinite(row_max: list, n_valid: int) -> int:

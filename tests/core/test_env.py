@@ -62,7 +62,7 @@ def test_every_name_the_repository_mentions_is_registered():
 
 
 def test_registry_declarations():
-    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 12
+    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 13
     for name, var in env.REGISTRY.items():
         assert name == var.name and name.startswith(env.PREFIX)
         assert var.audience in (env.USER, env.TESTING)
@@ -70,7 +70,8 @@ def test_registry_declarations():
         assert var.read({}) == var.default  # unset -> the default
     assert set(env.names(env.USER)) | set(env.names(env.TESTING)) == set(env.names())
     assert env.names(env.USER) == ("SGLANG_TEV_VERIFIER", "SGLANG_TEV_TOPK", "SGLANG_TEV_DFLASH2_MODE",
-                                   "SGLANG_TEV_CACHE", "SGLANG_TEV_NATIVE", "SGLANG_TEV_REFERENCE_ATTENTION")
+                                   "SGLANG_TEV_CACHE", "SGLANG_TEV_NATIVE", "SGLANG_TEV_PLAN_CACHE",
+                                   "SGLANG_TEV_REFERENCE_ATTENTION")
 
 
 # ------------------------------------------------------------------ (b) unknown names
@@ -291,6 +292,8 @@ OLD = {
     "SGLANG_TEV_DFLASH2_MODE": _old_dflash2_mode,
     "SGLANG_TEV_CACHE": _old_cache,
     "SGLANG_TEV_NATIVE": _old_native,
+    # new with the plan cache: the same on/off words as NATIVE
+    "SGLANG_TEV_PLAN_CACHE": lambda e: e.get("SGLANG_TEV_PLAN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off"),
     "SGLANG_TEV_REFERENCE_ATTENTION": _old_reference_attention,
     "SGLANG_TEV_CPU_ATTN_IGNORE_MASK": _old_ignore_mask,
     "SGLANG_TEV_CPU_HARNESS": _old_exactly_one("SGLANG_TEV_CPU_HARNESS"),
