@@ -1,12 +1,14 @@
-"""The ``sglang-tev`` command line: ``generate``, ``bench``, ``tune`` and ``eval-drafter`` (DESIGN §5;
-user doc: docs/cli.md).
+"""The ``sglang-tev`` command line: ``generate``, ``bench``, ``tune``, ``eval-drafter`` and ``draw-tree``
+(DESIGN §5; user doc: docs/cli.md).
 
 ``sglang-tev generate PROMPT`` streams exactly the decoded new text to stdout (the prompt is not
 echoed; the final flush makes stdout equal ``tokenizer.decode(new_ids, skip_special_tokens=True)``) and prints one summary
 line to stderr. ``sglang-tev bench`` runs every method over a prompt set and writes results.json,
 outputs.jsonl, meta.json and two plots (see :mod:`sglang_tev.hf.bench`). ``sglang-tev eval-drafter``
 compares drafters by the exact expected block length of their trees on the target's own
-continuations (see :mod:`sglang_tev.train.drafter_eval`).
+continuations (see :mod:`sglang_tev.train.drafter_eval`). ``sglang-tev draw-tree`` draws one round's
+draft tree with its exit law, and exit mass by depth over a prompt set (see
+:mod:`sglang_tev.train.tree_exits`).
 
 Bad arguments exit with status 2 and one line naming the argument (no usage block, no traceback);
 the checks that need no model run before any model is loaded. A closed stdout (``| head``) ends
@@ -16,7 +18,7 @@ Layout: this module builds the parser (:func:`build_parser`, each command adding
 subparser) and dispatches (:func:`main`); :mod:`.args` holds the flag types, :class:`UsageError`
 and the runtime-argument -> flag map, :mod:`.common` the model loading, output checks and
 :class:`TextStreamer`; one module per command (:mod:`.generate`, :mod:`.bench`, :mod:`.tune`,
-:mod:`.eval_drafter`), each with ``add_parser(subparsers)`` and ``run(args, argv)``. Importing
+:mod:`.eval_drafter`, :mod:`.draw_tree`), each with ``add_parser(subparsers)`` and ``run(args, argv)``. Importing
 the package imports no torch.
 """
 
@@ -29,7 +31,7 @@ import sys
 
 from .. import __version__
 from ..spec import DRAFT_MODES, MAX_BUDGET, VERIFIERS
-from . import bench, eval_drafter, generate, tune
+from . import bench, draw_tree, eval_drafter, generate, tune
 from .args import DTYPES, EXIT_SIGPIPE, METHODS, PROG, UsageError, _Parser
 from .args import _usage_from  # noqa: F401 (re-exported: tests call cli._usage_from)
 from .common import ASSETS_DIR, TextStreamer, default_model_paths
@@ -38,7 +40,7 @@ from .eval_drafter import TREE_MODE_CHOICES
 __all__ = ["main", "build_parser", "TextStreamer", "default_model_paths", "UsageError", "PROG", "ASSETS_DIR",
            "METHODS", "DTYPES", "TREE_MODE_CHOICES", "VERIFIERS", "DRAFT_MODES", "MAX_BUDGET", "EXIT_SIGPIPE"]
 
-COMMANDS = (generate, bench, tune, eval_drafter)  # in the order of --help
+COMMANDS = (generate, bench, tune, eval_drafter, draw_tree)  # in the order of --help
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Lossless tree speculative decoding (DFlash + DDTree + TEV).",
                      epilog=(generate.GENERATE_EXAMPLES + bench.BENCH_EXAMPLES.split("\n", 1)[1]
                              + tune.TUNE_EXAMPLES.split("\n", 1)[1] + eval_drafter.EVAL_EXAMPLES.split("\n", 1)[1]
+                             + draw_tree.DRAW_EXAMPLES.split("\n", 1)[1]
                              + "\nsee COMMAND --help for each option\n"),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")

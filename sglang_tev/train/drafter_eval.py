@@ -52,7 +52,7 @@ from .exit import kv_reuse_forward
 from .metrics import BREAKDOWN_KEYS, TreeBreakdown, exit_breakdown, laws_by_temperature, tree_breakdowns
 
 __all__ = ["TreeBreakdown", "exit_breakdown", "sequence_block_stats", "laws_by_temperature",
-           "cluster_se", "paired_difference", "evaluate_drafters", "format_table", "plot_exit_mass"]
+           "cluster_se", "paired_difference", "load_models", "evaluate_drafters", "format_table", "plot_exit_mass"]
 
 
 def _tree_modes_of(draft, modes) -> list[str]:
@@ -241,6 +241,36 @@ def _drafter_name(path, names: list[str]) -> str:
     return name
 
 
+def load_models(target_path, draft_paths: Sequence, device: torch.device | None = None):
+    """The target (float32, eval, with its tokenizer) and the drafters of a fixed-context comparison.
+
+    Returns ``(target, tokenizer, drafters, names)``: ``names`` the drafters' directory names,
+    made unique (``draft``, ``draft#2``). Raises ValueError naming ``target`` (no tokenizer, a
+    target that cannot score trees over a reused KV cache, a drafter directory given as target)
+    or ``draft`` (a drafter that does not fit the target); FileNotFoundError for a missing directory.
+    """
+    from ..draft.dflash import DFlashDraftModel
+    from .exit import check_tree_support
+    from .target import load_target, text_config
+
+    device = device or torch.device("cpu")
+    target, tokenizer = load_target(target_path, device, torch.float32)
+    if tokenizer is None:
+        raise ValueError(f"target: {os.fspath(target_path)!r} has no tokenizer; text prompts need one")
+    check_tree_support(target)
+    tcfg = text_config(target)
+    drafters, names = [], []
+    for p in draft_paths:
+        try:
+            d = DFlashDraftModel.from_pretrained(p, dtype=torch.float32).to(device).eval()
+            d.validate_against_target(tcfg)
+        except ValueError as e:
+            raise ValueError(f"draft: {os.fspath(p)}: {e}") from None
+        drafters.append(d)
+        names.append(_drafter_name(p, names))
+    return target, tokenizer, drafters, names
+
+
 def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, temperatures: Sequence[float] = (0.0, 1.0),
                       budgets: Sequence[int] = (64,), max_new_tokens: int = 128, seed: int = 0,
                       output_dir=None, cache_dir=None, chat_template: bool = True, batch_size: int = 16,
@@ -275,10 +305,9 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
     """
     from tqdm import tqdm
 
-    from ..draft.dflash import DFlashDraftModel
     from ..hf.datasets import applies_chat_template, encode_prompt
-    from .exit import TREE_MODES, check_tree_support
-    from .target import load_target, text_config
+    from .exit import TREE_MODES
+    from .target import text_config
 
     if not draft_paths:
         raise ValueError("draft: give at least one drafter")
@@ -306,20 +335,8 @@ def evaluate_drafters(target_path, draft_paths: Sequence, prompts: Sequence, *, 
     if output_dir is None and cache_dir is None:
         raise ValueError("cache_dir: give output_dir or cache_dir (the continuations are cached there)")
     device = device or torch.device("cpu")
-    target, tokenizer = load_target(target_path, device, torch.float32)
-    if tokenizer is None:
-        raise ValueError(f"target: {os.fspath(target_path)!r} has no tokenizer; text prompts need one")
-    check_tree_support(target)
+    target, tokenizer, drafters, names = load_models(target_path, draft_paths, device)
     tcfg = text_config(target)
-    drafters, names = [], []
-    for p in draft_paths:
-        try:
-            d = DFlashDraftModel.from_pretrained(p, dtype=torch.float32).to(device).eval()
-            d.validate_against_target(tcfg)
-        except ValueError as e:
-            raise ValueError(f"draft: {os.fspath(p)}: {e}") from None
-        drafters.append(d)
-        names.append(_drafter_name(p, names))
     # rows: (drafter index, resolved tree mode)
     rows, notes = [], []
     for k, (d, p) in enumerate(zip(drafters, draft_paths)):
