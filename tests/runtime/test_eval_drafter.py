@@ -53,7 +53,7 @@ def runtime_round(gen, ids, budget, temperature, monkeypatch):
 
     got = {}
 
-    def capture(state, tree, logits, reach_at=None):
+    def capture(state, tree, logits, *args, **kwargs):
         got["tree"], got["logits"] = tree, logits.clone()
         raise _Stop
 
