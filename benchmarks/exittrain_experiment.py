@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "sglang_tev" / "assets" / "tiny-code"
 # the drafter every arm starts from and the "shipped" row: the one shipped when the experiment ran,
 # packaged as draft-base/ since arm D's recipe became the default drafter (scripts/build_tiny_code.py)
-BASE_DRAFT = ASSET / "draft-base"
+BASE_DRAFT = ASSET / "draft-base"  # rebound by use_recipe
 RESULTS = REPO / "benchmarks" / "results" / "exittrain-experiment.json"
 
 from sglang_tev.atomic import atomic_write  # noqa: E402
@@ -66,11 +66,10 @@ from sglang_tev.machine import machine_info  # noqa: E402
 from sglang_tev.train.config import load_recipe  # noqa: E402
 from sglang_tev.train.rollout import cut_prompts  # noqa: E402  (the training and test prompts)
 
-# The design, frozen: sglang_tev/train/recipes/exittrain-tiny-code.yaml (`design`, `arms`), the
-# same file scripts/build_tiny_code.py's exittrain stage reads (arm D at the measured λ).
+# The design, frozen: a packaged recipe (`design`, `arms`; default sglang_tev/train/recipes/
+# exittrain-tiny-code.yaml, the same file scripts/build_tiny_code.py's exittrain stage reads, arm D
+# at the measured λ). `--recipe exittrain-draft2` is the DFlash2 lattice experiment (issue 38).
 RECIPE_NAME = "exittrain-tiny-code"
-RECIPE = load_recipe(RECIPE_NAME)
-DESIGN = dict(RECIPE["design"])
 # what the data stage and the evaluations depend on: kept when only the schedule changes
 DATA_KEYS = ("train_prompts", "test_prompts", "prompt_chars", "prompt_seed", "rollout_max_new_tokens",
              "rollout_temperature", "rollout_batch_size", "rollout_seed", "eval_temperatures", "eval_budgets",
@@ -78,8 +77,45 @@ DATA_KEYS = ("train_prompts", "test_prompts", "prompt_chars", "prompt_seed", "ro
 # what λ depends on (lambda.json is measured again when one of these changes)
 LAMBDA_KEYS = ("token_weight", "distill_weight", "loss_decay_gamma", "seq_len", "batch_size", "num_anchors",
                "budget", "lambda_target_ratio", "lambda_batches")
-ARMS = {k: (v["mode"], float(v["temperature"])) for k, v in RECIPE["arms"].items()}  # (loss.exit.mode, .temperature)
-CONTRASTS = [("C", "A"), ("B", "A"), ("C", "B"), ("D", "A")]
+# ... and these where the recipe has them (the DFlash2 recipe; absent from v1's, whose lambda.json stays valid)
+LAMBDA_KEYS_OPTIONAL = ("start_draft", "exit_tree", "selector_weight", "selector_labels")
+
+
+def lambda_design() -> dict:
+    """The design values λ was measured under (stored in ``OUT/data/lambda.json``)."""
+    return {k: DESIGN[k] for k in LAMBDA_KEYS + tuple(k for k in LAMBDA_KEYS_OPTIONAL if k in DESIGN)}
+
+
+def use_recipe(name: str) -> None:
+    """Bind the driver's design to the packaged recipe ``name``: ``RECIPE``, ``DESIGN``, ``ARMS``,
+    the starting drafter ``BASE_DRAFT`` (``design.start_draft`` under the shipped pair's folder;
+    default ``draft-base``, the drafter the v1 experiment started from) and the default results
+    file (``design.results_name``; default ``exittrain-experiment``).
+
+    Raises:
+        FileNotFoundError naming the known recipes (:func:`~sglang_tev.train.config.load_recipe`);
+        ValueError when the starting drafter is not in the package.
+    """
+    global RECIPE_NAME, RECIPE, DESIGN, ARMS, BASE_DRAFT, RESULTS
+    recipe = load_recipe(name)
+    design = dict(recipe["design"])
+    base = ASSET / str(design.get("start_draft", "draft-base"))
+    if not (base / "config.json").is_file():
+        raise ValueError(f"recipe {name!r}: design.start_draft {base.name!r} is not a drafter in {ASSET}")
+    RECIPE_NAME, RECIPE, DESIGN = name, recipe, design
+    ARMS = {k: (v["mode"], float(v["temperature"])) for k, v in recipe["arms"].items()}  # (loss.exit.mode, .temperature)
+    BASE_DRAFT = base
+    RESULTS = REPO / "benchmarks" / "results" / f"{design.get('results_name', 'exittrain-experiment')}.json"
+
+
+use_recipe(RECIPE_NAME)
+CONTRASTS = [("C", "A"), ("B", "A"), ("C", "B"), ("D", "A")]  # those whose arms the recipe has: contrasts()
+
+
+def contrasts(arms=None) -> list[tuple[str, str]]:
+    """The contrasts whose two arms are in ``arms`` (default: the recipe's ``ARMS``)."""
+    arms = ARMS if arms is None else arms
+    return [(x, y) for x, y in CONTRASTS if x in arms and y in arms]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
@@ -105,9 +141,10 @@ def machine() -> dict:
 
 
 def run_names() -> list[tuple[str, int]]:
-    """(arm, seed) in schedule order: A-s0 (the gate), the other arms of seed 0, then seeds 1, 2."""
-    seeds = DESIGN["seeds"]
-    return [("A", seeds[0])] + [(a, seeds[0]) for a in "BCD"] + [(a, s) for s in seeds[1:] for a in "ABCD"]
+    """(arm, seed) in schedule order: A-s0 (the gate), the recipe's other arms of seed 0, then the
+    other seeds."""
+    seeds, arms = DESIGN["seeds"], sorted(ARMS)
+    return [("A", seeds[0])] + [(a, seeds[0]) for a in arms if a != "A"] + [(a, s) for s in seeds[1:] for a in arms]
 
 
 def name(arm: str, seed: int) -> str:
@@ -167,7 +204,12 @@ def train_overrides(out: Path, arm: str, seed: int, lam: float, stop_at: int) ->
             f"min_lr_ratio={d['min_lr_ratio']}", f"threads={d['threads']}", "save_every=25", "keep_checkpoints=1",
             "progress=false", "tensorboard=false", f"loss.token_weight={d['token_weight']}", f"loss.distill_weight={d['distill_weight']}",
             f"loss.exit.mode={mode}", f"loss.exit.lambda={lam if mode != 'none' else 0.0}",
-            f"loss.exit.temperature={temp}", f"loss.exit.budget={d['budget']}", *rollout_overrides(out / "data")]
+            f"loss.exit.temperature={temp}", f"loss.exit.budget={d['budget']}", *rollout_overrides(out / "data"),
+            # DFlash2 recipes: the exit term's trees and the selector's own term (kept, so the
+            # selector that builds the lattice does not drift unsupervised)
+            *([f"loss.exit.tree={d['exit_tree']}"] if "exit_tree" in d else []),
+            *([f"loss.selector.weight={d['selector_weight']}"] if "selector_weight" in d else []),
+            *([f"loss.selector.labels={d['selector_labels']}"] if "selector_labels" in d else [])]
 
 
 def measure_lambda(out: Path) -> dict:
@@ -254,12 +296,12 @@ def data_stage(out: Path, mach: dict) -> dict:
                       "seed": DESIGN["eval_seed"], "wall_s": round(time.time() - t0, 1), "machine": mach})
         (data / "continuations.done").write_text("")
     lam_path = data / "lambda.json"
-    if lam_path.exists() and json.loads(lam_path.read_text()).get("design") != {k: DESIGN[k] for k in LAMBDA_KEYS}:
+    if lam_path.exists() and json.loads(lam_path.read_text()).get("design") != lambda_design():
         os.replace(lam_path, data / f"lambda-superseded-{int(time.time())}.json")
     if not lam_path.exists():
         t0 = time.time()
         lam = measure_lambda(out)
-        lam["design"] = {k: DESIGN[k] for k in LAMBDA_KEYS}
+        lam["design"] = lambda_design()
         lam["wall_s"] = round(time.time() - t0, 1)
         (data / "lambda.json").write_text(json.dumps(lam, indent=1) + "\n")
         record(data, {"kind": "lambda", "command": "measure_lambda", "seed": DESIGN["seeds"][0],
@@ -559,7 +601,7 @@ def markdown(rep: dict) -> str:
                          f"{e['w_horizon']:.3f} | " + " | ".join(f"{x:.3f}" for x in dep) + " |")
     L += ["", "| contrast | " + " | ".join(f"{k}: " + ", ".join(f"s{s}" for s in d["seeds"]) for k in keys)
           + " | " + " | ".join(f"decision {k}" for k in keys) + " |", "| --- " * (1 + 2 * len(keys)) + "|"]
-    for x, y in CONTRASTS:
+    for x, y in contrasts(rep.get("arms")):
         cells, decisions = [], []
         for k in keys:
             ds = []
@@ -587,8 +629,12 @@ def markdown(rep: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="exittrain-tiny-code",
+                   help="packaged recipe holding the design (default exittrain-tiny-code, the v1 experiment; "
+                        "exittrain-draft2: the DFlash2 lattice experiment)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "exittrain")
-    p.add_argument("--results", type=Path, default=RESULTS, help="results JSON (written by chunks and --collect)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="results JSON (written by chunks and --collect; default: the recipe's results_name)")
     p.add_argument("--chunk-minutes", type=float, default=110.0, help="wall budget of this chunk, <= 120")
     p.add_argument("--segment-steps", type=int, default=50, help="training steps per work unit (default 50)")
     p.add_argument("--jobs", type=int, default=1, help="work units in parallel, one thread each (default 1)")
@@ -598,6 +644,12 @@ def main(argv=None) -> int:
     only.add_argument("--collect", action="store_true", help="only gather the runs into --results")
     only.add_argument("--report", action="store_true", help="only print the doc tables from --results")
     args = p.parse_args(argv)
+    try:
+        use_recipe(args.recipe)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(f"argument --recipe: {e}")
+    if args.results is None:
+        args.results = RESULTS
     if args.report:
         try:
             res = json.loads(args.results.read_text())

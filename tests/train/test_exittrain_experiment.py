@@ -263,3 +263,24 @@ def test_build_scripts_exittrain_stage_is_arm_d_as_measured(X):
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"train/recipes/*.yaml"' in pyproject
     assert (ROOT / "sglang_tev" / "train" / "recipes" / path.name).read_text() == path.read_text()
+
+
+def test_the_draft2_recipe_binds_its_start_arms_results_and_lattice_overrides(X, tmp_path, capsys):
+    try:
+        X.use_recipe("exittrain-draft2")
+        assert X.BASE_DRAFT.name == "draft2" and X.RESULTS.name == "exittrain-draft2-experiment.json"
+        assert sorted(X.ARMS) == ["A", "C", "D"] and X.DESIGN["eval_budgets"] == [32, 64]
+        names = X.run_names()
+        assert names[0] == ("A", 0) and ("B", 0) not in names and len(names) == 3 * len(X.DESIGN["seeds"])
+        assert X.contrasts() == [("C", "A"), ("D", "A")]
+        ov = X.train_overrides(tmp_path, "C", 0, 36.0, 50)
+        assert {"loss.exit.tree=lattice", "loss.selector.weight=1.0", "draft_init=" + str(X.BASE_DRAFT)} <= set(ov)
+        # the data stage's settings are v1's, so its OUT/data folder can be reused
+        v1 = X.load_recipe("exittrain-tiny-code")["design"]
+        assert [k for k in X.DATA_KEYS if k != "eval_budgets" and v1[k] != X.DESIGN[k]] == []
+    finally:
+        X.use_recipe("exittrain-tiny-code")
+    assert X.BASE_DRAFT.name == "draft-base" and sorted(X.ARMS) == ["A", "B", "C", "D"]
+    with pytest.raises(SystemExit):
+        X.main(["--recipe", "nope", "--report"])
+    assert "argument --recipe" in capsys.readouterr().err
