@@ -32,6 +32,8 @@ def creatable_dir_problem(out: str | os.PathLike) -> str | None:
     try:
         tempfile.TemporaryDirectory(dir=base, prefix=".sglang-tev-probe-").cleanup()
     except OSError as e:
+        if base == out:
+            return f"cannot write to {out} ({e.strerror or e})"
         return f"cannot create folders under {base} ({e.strerror or e})"
     try:  # a name below base too long for its filesystem fails only when the run creates it
         name_max = os.pathconf(base, "PC_NAME_MAX")

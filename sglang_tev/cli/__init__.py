@@ -89,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    from ..env import EnvError, check_environment
+
+    try:  # a misspelled SGLANG_TEV_* name is refused before any model loads, by every command
+        check_environment()
+    except EnvError as e:
+        print(f"{sub.prog}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.run(args, argv)
     except UsageError as e:

@@ -93,6 +93,9 @@ def _int(x: str) -> int:
     return int(x)
 
 
+_int.__name__ = "integer"  # argparse names the type in "invalid integer value: 'abc'"
+
+
 def _int_list(s: str) -> list[int]:
     try:
         return [_int(x) for x in _entries(s)]

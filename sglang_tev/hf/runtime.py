@@ -504,7 +504,7 @@ class SpeculativeGenerator:
         try:
             self._plan_store.save(self.cost_table, gains, self.calibration)
         except OSError as e:  # a read-only home must not fail the call that decoded fine
-            warnings.warn(f"plan cache not saved ({self._plan_store.path}: {e})", stacklevel=3)
+            _plan_cache.log.warning("plan cache not saved (%s: %s)", self._plan_store.path, e.strerror or e)
 
     # ------------------------------------------------------------------ argument checks
     @property

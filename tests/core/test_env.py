@@ -355,3 +355,17 @@ def test_sites_read_through_the_registry(monkeypatch, tmp_path):
     for raw, off in (("0", True), ("OFF", True), ("1", False), ("maybe", False)):
         monkeypatch.setenv("SGLANG_TEV_NATIVE", raw)
         assert native._disabled() is off
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["draw-tree", "--prompt", "x"], ["bench", "--dataset", "x.jsonl"]])
+def test_every_cli_command_refuses_a_typo_before_loading_anything(command):
+    """The CLI checks the environment before running any command: no argument is blamed, and no
+    model (nor torch) is loaded first."""
+    typo = "SGLANG_TEV_PLAN_CAC" + "H"
+    code = ("import sys; from sglang_tev.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, **{typo: "0"}), cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert line.count("\n") == 0 and "did you mean SGLANG_TEV_PLAN_CACHE?" in line and "argument" not in line

@@ -218,7 +218,7 @@ BAD = [
     (["--prompt", "x", "--output", "{tmp}/a.svg", "--bars", "{tmp}/a.svg"], "argument --bars: "),
     (["--prompt", "x", "--budget", "129"], "argument --budget: must be in [0, 128]"),
     (["--prompt", "x", "--budget", "-1"], "argument --budget: must be in [0, 128]"),
-    (["--prompt", "x", "--budget", "4.5"], "argument --budget: invalid _int value"),
+    (["--prompt", "x", "--budget", "4.5"], "argument --budget: invalid integer value"),
     (["--prompt", "x", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
     (["--prompt", "x", "--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
     (["--prompts", "{prompts}", "--tree-prompt", "3"], "argument --tree-prompt: must be < the 3 prompt(s)"),

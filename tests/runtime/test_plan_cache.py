@@ -102,3 +102,20 @@ def test_off_switches_and_frozen_tables_leave_the_cache_alone(cache_home, monkey
     monkeypatch.setenv("SGLANG_TEV_PLAN_CACHE", "1")
     _gen().generate(torch.arange(3, 11), budget=8, max_new_tokens=12)
     assert _files(cache_home) == []
+
+
+def test_an_unwritable_cache_folder_logs_one_line_and_the_call_succeeds(cache_home, monkeypatch, caplog, _gen):
+    import logging
+
+    from sglang_tev.hf import plan_cache as pc
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pc.PlanCache, "save", refuse)
+    gen = _gen()
+    with caplog.at_level(logging.WARNING, logger=pc.log.name):
+        res = gen.generate("def f(x):", max_new_tokens=8, budget="auto")
+    assert len(res.token_ids) == 8
+    msgs = [r.getMessage() for r in caplog.records if r.name == pc.log.name]
+    assert len(msgs) == 1 and msgs[0].startswith("plan cache not saved (") and "Permission denied" in msgs[0]
