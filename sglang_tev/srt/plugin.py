@@ -4,7 +4,8 @@ SGLang's ``load_plugins()`` calls :func:`register` once in every process it star
 scheduler, DP controller, detokenizer). It registers ``--speculative-algorithm TEV``; the
 ``--attention-backend tev_cpu`` choice (``cpu_attention``), with SGLang's CPU engine or when asked
 for (:func:`wants_cpu_attention`); and ``HookRegistry`` hooks: request admission and the penalizer
-state the per-node penalties read (``admission``), the ``req_to_token`` row headroom
+state the per-node penalties read (``admission``), the per-round ``meta_info`` lists
+(``meta_info``), the ``req_to_token`` row headroom
 (``kv_headroom``), and the tree mask in the target's captured verify graph (``graphs``). The
 worker module (heavy: the DFlash V2 worker) is imported only when the scheduler asks for the
 worker class.
@@ -53,6 +54,7 @@ def register() -> None:
     from .cpu_attention import register_cpu_attention
     from .graphs import install_graph_hooks
     from .kv_headroom import install_row_headroom_hook
+    from .meta_info import install_meta_info_hooks
 
     # req_to_token rows long enough for a decode step at the context edge (kv_headroom)
     install_row_headroom_hook()
@@ -64,6 +66,10 @@ def register() -> None:
     # per-request admission checks, and the penalizer state TEV's per-node penalties read
     # (admission: the hook on SamplingBatchInfo.copy_for_forward)
     install_admission_hook()
+
+    # per-round meta_info lists complete on long and streamed requests (meta_info: SGLang slices
+    # customized_info per output token; the round values are kept token-aligned, then compacted)
+    install_meta_info_hooks()
 
     # --attention-backend tev_cpu: the pure-torch backend TEV uses with --device cpu; only where it
     # can be asked for (a GPU server's choices and attention registry stay SGLang's own)

@@ -63,6 +63,7 @@ from .config import settings_from_server_args
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .kv_headroom import check_row_headroom
+from .meta_info import META_INFO_KEYS, RoundLog
 from .penalties import apply_tree_penalties, count_accepted
 from .round import (
     adopt_rank0_decision,
@@ -91,10 +92,6 @@ class _DropBlockSizeNotice(logging.Filter):
         return not str(record.msg).startswith("DFLASH block size mismatch")
 
 
-META_INFO_KEYS = ("tev_accept_length", "tev_exit_depth", "tev_coverage")
-"""Per-round values appended to each request's ``meta_info`` (SGLang's ``customized_info``)."""
-
-
 def _host_seq_lens(batch) -> tuple[torch.Tensor, int]:
     """(committed lengths int [bs] in host memory, their sum) as the scheduler already keeps them
     (``prepare_for_decode``; with overlap, ``FutureMap.resolve_seq_lens_cpu``). A future map built
@@ -118,7 +115,7 @@ class RoundColumn:
     ``host`` has completed by then: reading it costs no device sync of its own.
 
     Args:
-        host: float32 [3, bs] in host memory (pinned on CUDA).
+        host: float32 [len(META_INFO_KEYS), bs] in host memory (pinned on CUDA).
         row: which row; cast: ``int`` or ``float`` for the values handed out.
     """
 
@@ -142,23 +139,29 @@ class RoundColumn:
         return iter(self._read())
 
 
-def round_info_to_host(commit_lens: torch.Tensor, exit_depth: torch.Tensor, coverage: torch.Tensor) -> dict:
+def round_info_to_host(
+    commit_lens: torch.Tensor, exit_depth: torch.Tensor, coverage: torch.Tensor, budget: torch.Tensor
+) -> tuple[dict, torch.Tensor]:
     """The round's ``customized_info`` (:data:`META_INFO_KEYS`) with ONE non-blocking copy.
 
     Args:
         commit_lens: int [bs] tokens emitted this round; exit_depth: int [bs] depth of the exit
-            node; coverage: float [bs] the tree's coverage of the target law.
+            node; coverage: float [bs] the tree's coverage of the target law; budget: int [bs]
+            drafted nodes in each request's tree this round.
     Returns:
-        ``{key: RoundColumn}``: on CUDA a pinned buffer filled by ``copy_(non_blocking=True)``
-        (fenced by the scheduler's ``copy_done``), on CPU the stacked tensor itself.
+        (``{key: RoundColumn}``, the host tensor float32 [len(META_INFO_KEYS), bs]): on CUDA a
+        pinned buffer filled by ``copy_(non_blocking=True)`` (fenced by the scheduler's
+        ``copy_done``), on CPU the stacked tensor itself. SGLang's scheduler keeps the values
+        token-aligned and its tokenizer manager hands out one per round (``meta_info.py``).
     """
-    info = torch.stack([commit_lens.float(), exit_depth.float(), coverage.float()])
+    info = torch.stack([commit_lens.float(), exit_depth.float(), coverage.float(), budget.float()])
     if info.is_cuda:
         host = torch.empty(info.shape, dtype=info.dtype, pin_memory=True)
         host.copy_(info, non_blocking=True)
     else:
         host = info
-    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, (int, int, float)))}
+    casts = (int, int, float, int)
+    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}, host
 
 
 class TEVWorker(DFlashWorkerV2):
@@ -202,6 +205,12 @@ class TEVWorker(DFlashWorkerV2):
             # compute_candidates reads the target head from the draft model (SGLang attaches it the
             # same way, dflash_worker_v2.py:911 and :1484-1485)
             self.draft_model.lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
+        # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
+        self._round_log = (
+            RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)
+            if get_parallel().tp_rank == 0
+            else None
+        )
         if get_parallel().tp_rank == 0:
             logger.info("TEV worker: %s", self.tev)
             if self._tev_draft.selector_top_k and self._tev_draft.mode == "marginal":
@@ -481,7 +490,10 @@ class TEVWorker(DFlashWorkerV2):
             commit_lens=plan.commit_lens,
         )
         logits_output.hidden_states = None
-        logits_output.customized_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage)
+        budget = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
+        logits_output.customized_info, host_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, budget)
+        if self._round_log is not None:
+            self._round_log.record(host_info)
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)
         return GenerationBatchResult(
             logits_output=logits_output,

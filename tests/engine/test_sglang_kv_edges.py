@@ -153,8 +153,14 @@ def assert_healthy(eng, hf_model, corpus):
 def assert_rounds_inside_context(prompt_len, out, what):
     """Round k (root at committed length c_k) emits at most ``CONTEXT - c_k`` tokens: its tree has
     no node at a position past the context (root-only at the last position)."""
+    meta = out["meta_info"]
+    # every round comes back (the plugin keeps SGLang's per-token slicing from dropping rounds
+    # after a send: these requests pass 50 and 100 output tokens), one value per key per round
+    assert len(meta["tev_accept_length"]) == meta["spec_verify_ct"], what
+    assert all(len(meta[k]) == meta["spec_verify_ct"] for k in ("tev_exit_depth", "tev_coverage", "tev_budget")), what
+    assert 1 + sum(meta["tev_accept_length"]) >= len(out["output_ids"]), what  # the last round may be cut
     c = prompt_len
-    for r in out["meta_info"]["tev_accept_length"]:
+    for r in meta["tev_accept_length"]:
         assert 1 <= r <= CONTEXT - c, f"{what}: a round at committed length {c} emitted {r} tokens"
         c += r
 

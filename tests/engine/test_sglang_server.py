@@ -277,6 +277,10 @@ def test_endpoints_serve_the_hf_greedy_tokens_streamed_and_not(tev, tokenizer, h
         assert len(gs) >= 2, f"prompt {i}: one stream event only"
         assert gs[-1]["output_ids"] == g["output_ids"] and gs[-1]["text"] == g["text"], i
         assert gs[-1]["meta_info"]["finish_reason"] == g["meta_info"]["finish_reason"], i
+        # one value per verify round, streamed or not (the plugin's meta_info hooks)
+        for m in (g["meta_info"], gs[-1]["meta_info"]):
+            assert len(m["tev_accept_length"]) == len(m["tev_budget"]) == m["spec_verify_ct"] >= 1, (i, m)
+            assert max(m["tev_budget"]) == TREE_SIZE - 1 and min(m["tev_budget"]) >= 0, (i, m["tev_budget"])
         # OpenAI completions: same text, same token count, streamed deltas add up to it
         choice = c["choices"][0]
         assert choice["text"] == g["text"], i

@@ -309,7 +309,7 @@ def test_worker_module_imports_on_cpu_and_subclasses_dflash_v2():
     algo = SpeculativeAlgorithm.from_string("TEV")
     sa = ServerArgs(model_path="dummy", disable_overlap_schedule=True)
     assert algo.create_worker(sa) is TEVWorker
-    assert META_INFO_KEYS == ("tev_accept_length", "tev_exit_depth", "tev_coverage")
+    assert META_INFO_KEYS == ("tev_accept_length", "tev_exit_depth", "tev_coverage", "tev_budget")
     assert torch.is_tensor(torch.zeros(1))
 
 

@@ -26,6 +26,7 @@ import torch
 from tiny_pair import plain_greedy
 
 from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker  # noqa: E402
+from sglang_tev.srt.meta_info import RoundLog  # noqa: E402
 from sglang_tev.testing.sglang_cpu.required import require_sglang  # noqa: E402
 
 require_sglang()
@@ -137,6 +138,9 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
     w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier,
                          model_runner=model_runner, target_forward=target_forward, draft_forward=draft_forward,
                          translator=translator, append_draft_kv=lambda **kw: appended.append(kw))
+    assert w._round_log.interval == 40  # SGLang's default --decode-log-interval (not in these args)
+    lines = []
+    w._round_log = RoundLog(2, SimpleNamespace(info=lines.append))
 
     greedy = SamplingBatchInfo(
         temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),
@@ -180,6 +184,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
         assert list(info["tev_accept_length"]) == res.accept_lens.tolist()
         assert [a + 1 for a in info["tev_exit_depth"]] == res.accept_lens.tolist()
         accepts += info["tev_exit_depth"]
+        assert all(0 <= b <= N - 1 for b in info["tev_budget"]) and max(info["tev_budget"]) == N - 1
         assert batch.seq_lens_cpu is seen["seq_cpu"] or torch.equal(batch.seq_lens_cpu, seen["seq_cpu"])  # restored
         batch.seq_lens = res.new_seq_lens.clone()
         batch.seq_lens_cpu = res.new_seq_lens.clone()
@@ -192,4 +197,9 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier):
         s = int(batch.seq_lens[b])
         assert kv[req_to_token[pool_idx[b], :s]].tolist() == (p + out[b])[:s]
     assert fake_kv.moves == len(accepts) // bs
+    # the periodic TEV log line: every 2 rounds, over the rounds' own values
+    rounds = len(accepts) // bs
+    assert len(lines) == rounds // 2
+    mean_acc = float(lines[0].split("accept length ")[1].split(",")[0])
+    assert 1.0 <= mean_acc <= N and f"mean budget {N - 1:.1f}" in lines[0]
     assert sum(accepts) / len(accepts) >= 1.5
