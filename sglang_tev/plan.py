@@ -10,7 +10,7 @@ Two policies:
 * :class:`FixedBudget` -- every row, every round, the same budget B and the whole block
   (``--budget B``; what ``sglang-tev tune`` times).
 * :class:`AutoBudget` -- ``budget="auto"``: the measured-cost controller of
-  :mod:`sglang_tev.hf.autobudget` (its choice from past rounds only, so the output law is
+  :mod:`sglang_tev.autobudget` (its choice from past rounds only, so the output law is
   untouched); a budget-B round drafts a block of ``min(K, B + 1)`` tokens, since a tree of B
   nodes reaches depth B at most. Today every row of a batch gets the same budget; the plan's
   shape already holds one per row.
@@ -106,7 +106,7 @@ class AutoBudget:
     """``budget="auto"``: one budget for the batch from the cost controller, the block cut to it.
 
     Args:
-        controller: a :class:`sglang_tev.hf.autobudget.BudgetController` (its grid's largest
+        controller: a :class:`sglang_tev.autobudget.BudgetController` (its grid's largest
             budget is the capacity); any object with ``grid``, ``choose(batch) -> int``,
             ``grid_upto(budget)`` and ``observe(batch, budget, reach_cum, seconds)`` works.
         block_size: K of the drafter (None: no drafter; the depth is then not cut).

@@ -34,7 +34,7 @@ from .. import __version__
 from .. import env as _env
 from ..atomic import atomic_write
 from ..planner import ReachCalibration
-from .autobudget import CostTable
+from ..autobudget import CostTable
 
 __all__ = ["SCHEMA", "plan_cache_dir", "enabled", "model_fingerprint", "cache_key", "PlanCache"]
 
@@ -147,7 +147,7 @@ def _check_gains(v: dict) -> dict:
 
 
 def controller_gains(ctl) -> dict:
-    """A :class:`~sglang_tev.hf.autobudget.BudgetController`'s learned gains as JSON-able dicts."""
+    """A :class:`~sglang_tev.autobudget.BudgetController`'s learned gains as JSON-able dicts."""
     return {"inc": {str(b): x for b, x in ctl._inc.items()}, "n": {str(b): x for b, x in ctl._n.items()}}
 
 

@@ -40,7 +40,7 @@ from .round import NonFiniteLogitsError
 from ..plan import AutoBudget, BudgetPolicy, FixedBudget, TreePlanner
 from ..planner import ReachCalibration
 from . import plan_cache as _plan_cache
-from .autobudget import DEFAULT_GRID, BudgetController, CostTable
+from ..autobudget import DEFAULT_GRID, BudgetController, CostTable
 from .scheduler import DecodeBuffers, Scheduler
 from .static_cache import StaticKVCache, cache_kwargs  # noqa: F401 - cache_kwargs: tests and benchmarks import it from here
 from .stops import stop_token_set
@@ -335,7 +335,7 @@ class SpeculativeGenerator:
             budget: DDTree budget B (non-root nodes), in [0, MAX_BUDGET], or ``"auto"`` (the default):
                 each round's budget chosen from ``self.budget_grid`` (0 = a plain decoding round)
                 to maximise expected tokens per second, from the exit law of past rounds and the
-                measured seconds per round in ``self.cost_table`` (:mod:`sglang_tev.hf.autobudget`).
+                measured seconds per round in ``self.cost_table`` (:mod:`sglang_tev.autobudget`).
                 The output law is unchanged; seeded sampled output repeats run to run only with
                 a fixed budget or a frozen cost table (``cost_table=`` of the constructor).
             sampling: the target law (default greedy: temperature 0); one, or one per prompt.

@@ -120,7 +120,7 @@ class VerifyOutput:
                 first valid node with a non-finite row max comes back in the same transfer (the
                 host verifiers find it in the pass that takes the argmax).
             reach_at: optional increasing budgets ``B'`` in [1, N - 1]: ``reach_cum`` comes back in
-                the same transfer (``budget="auto"``, :mod:`sglang_tev.hf.autobudget`).
+                the same transfer (``budget="auto"``, :mod:`sglang_tev.autobudget`).
             reach_nodes: also return every valid node's ``P(v)`` in the same transfer (the
                 planner's calibration labels, :class:`sglang_tev.plan.TreePlanner`).
         Returns:

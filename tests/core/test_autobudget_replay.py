@@ -2,7 +2,7 @@
 the round times and coverages, several batch sizes, busy minutes, a drifting acceptance, regime
 flips, a frozen table) fed through ``choose`` / ``observe``, and every choice compared with the
 one the controller made when this harness was written (before its per-batch state was cut into
-:class:`~sglang_tev.hf.autobudget.BatchSizeState`). Any change in a choice, a trial or a learned
+:class:`~sglang_tev.autobudget.BatchSizeState`). Any change in a choice, a trial or a learned
 gain fails here; change the expectations only with a change meant to alter the choices.
 
 Torch-free: the controller is host code."""
@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from sglang_tev.hf.autobudget import DEFAULT_GRID, BudgetController, CostTable
+from sglang_tev.autobudget import DEFAULT_GRID, BudgetController, CostTable
 
 
 def _coverage(rng: random.Random, upto: list[int], level: float, rows: int) -> list[list[float]]:

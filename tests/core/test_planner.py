@@ -11,7 +11,7 @@ import torch
 
 from sglang_tev.draft.ddtree import build_ddtree
 from sglang_tev.draft.lattice import build_lattice_tree
-from sglang_tev.hf.autobudget import BudgetController, CostTable
+from sglang_tev.autobudget import BudgetController, CostTable
 from sglang_tev.plan import RoundPlan, TreePlanner
 from sglang_tev.planner import SCORE_EDGES, ReachCalibration, allocate, node_path_scores, regime_of
 from sglang_tev.spec import SpecError

@@ -22,7 +22,8 @@ def test_spec_imports_no_torch_and_cli_neither():
 def test_every_copy_reads_the_spec():
     from sglang_tev import sampling
     from sglang_tev.draft import lattice
-    from sglang_tev.hf import autobudget, bench, runtime
+    from sglang_tev import autobudget
+    from sglang_tev.hf import bench, runtime
     from sglang_tev.srt import config as srt_config
     from sglang_tev.train import exit as train_exit
     from sglang_tev import cli, spec
@@ -137,7 +138,7 @@ def test_fixed_budget_plans_every_row_the_same_whole_block():
 
 
 class _Controller:
-    """A recording stand-in for hf.autobudget.BudgetController."""
+    """A recording stand-in for autobudget.BudgetController."""
 
     def __init__(self, choices):
         self.grid = (0, 2, 4, 8, 32)

@@ -13,7 +13,7 @@ import torch
 
 from sglang_tev.draft.ddtree import build_ddtree
 from sglang_tev.draft.lattice import build_lattice_tree
-from sglang_tev.hf.autobudget import DEFAULT_GRID, BatchSizeState, BudgetController, CostTable, Trial
+from sglang_tev.autobudget import DEFAULT_GRID, BatchSizeState, BudgetController, CostTable, Trial
 from sglang_tev.hf.runtime import SpeculativeGenerator
 from sglang_tev.sampling import SamplingParams, processed_probs
 from sglang_tev.tree import DraftTree, exit_law

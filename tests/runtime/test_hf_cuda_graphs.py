@@ -168,7 +168,7 @@ def test_context_kept_over_plain_rounds_survives_the_next_replays(monkeypatch):
     graphed runtime hands the drafter copies, so its drafts, and so its accept lengths, are the
     eager static-shape runtime's over a script of tree rounds with plain stretches between them
     (without the copies the kept context is the last plain round's, repeated)."""
-    from sglang_tev.hf.autobudget import BudgetController
+    from sglang_tev.autobudget import BudgetController
 
     script = [8, 0, 0, 0, 8, 0, 0, 8, 8, 0, 0, 0, 0, 8] * 3
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from sglang_tev.hf.autobudget import CostTable
+from sglang_tev.autobudget import CostTable
 from sglang_tev.hf.plan_cache import PlanCache, cache_key, model_fingerprint
 from sglang_tev.hf.runtime import SpeculativeGenerator
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..spec import AUTO, MAX_BUDGET  # the largest budget anywhere, cost tables included
+from .spec import AUTO, MAX_BUDGET  # the largest budget anywhere, cost tables included
 
 __all__ = ["AUTO", "DEFAULT_GRID", "MAX_BUDGET", "CostTable", "BudgetController", "BatchSizeState", "Trial"]
 
