@@ -99,11 +99,12 @@ def captured_stderr(path: Path):
 
 
 def parse_mode(spec: str) -> tuple[str, bool]:
-    """``TEV`` -> ("TEV", graphs on); ``TEV-eager`` -> ("TEV", graphs off)."""
+    """``TEV`` -> ("TEV", graphs on); ``TEV-eager`` -> ("TEV", graphs off); ``TEV-auto`` -> ("TEV",
+    graphs off) with ``SGLANG_TEV_BUDGET=auto`` (load-adaptive widths run eagerly for now)."""
     name, _, suffix = spec.partition("-")
-    if name not in ("none", "DFLASH", "TEV") or suffix not in ("", "eager"):
-        raise ValueError(f"unknown mode {spec!r}: none, DFLASH or TEV, optionally with -eager")
-    return name, suffix != "eager"
+    if name not in ("none", "DFLASH", "TEV") or suffix not in ("", "eager", "auto") or (suffix == "auto" and name != "TEV"):
+        raise ValueError(f"unknown mode {spec!r}: none, DFLASH or TEV, optionally with -eager; TEV-auto")
+    return name, suffix == ""
 
 
 def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -> dict:
@@ -135,6 +136,7 @@ def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -
             kwargs["speculative_num_steps"] = args.max_depth
     log = log_dir / f"{backend}-{spec}.log"
     os.environ["SGLANG_LOG_DECODE_GRAPH_KEY"] = "1"
+    os.environ["SGLANG_TEV_BUDGET"] = "auto" if spec.endswith("-auto") else "fixed"
     with captured_stderr(log):
         engine = sglang.Engine(**kwargs)
         try:
@@ -217,8 +219,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--modes", default="none,DFLASH,TEV,TEV-eager",
-        help="comma-separated subset of none, DFLASH, TEV, each optionally with -eager (decode CUDA graphs off)",
+        "--modes", default="none,DFLASH,TEV,TEV-eager,TEV-auto",
+        help="comma-separated subset of none, DFLASH, TEV, each optionally with -eager (decode CUDA graphs off), "
+             "and TEV-auto (SGLANG_TEV_BUDGET=auto: per-round widths, eager)",
     )  # fmt: skip
     p.add_argument("--log-dir", default=None, help="engine logs (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write the results here")

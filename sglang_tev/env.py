@@ -164,6 +164,18 @@ def _dflash2_mode(raw: str) -> Optional[str]:
     return value
 
 
+SERVED_BUDGETS = ("fixed", "auto")
+"""How the SGLang plugin sizes each round's trees (``SGLANG_TEV_BUDGET``)."""
+
+
+def _served_budget(raw: str) -> str:
+    # srt/config: stripped, lower-cased; empty = fixed
+    value = raw.strip().lower() or "fixed"
+    if value not in SERVED_BUDGETS:
+        raise ValueError(f"must be one of {SERVED_BUDGETS}, got {raw!r}")
+    return value
+
+
 def _path(raw: str) -> Optional[str]:
     # native._cache_dir, the harness's trace / probe: an empty value counts as unset
     return raw or None
@@ -194,6 +206,7 @@ def _strict_flag(raw: str) -> bool:
 VERIFIER = "SGLANG_TEV_VERIFIER"
 TOPK = "SGLANG_TEV_TOPK"
 DFLASH2_MODE = "SGLANG_TEV_DFLASH2_MODE"
+BUDGET = "SGLANG_TEV_BUDGET"
 CACHE = "SGLANG_TEV_CACHE"
 NATIVE = "SGLANG_TEV_NATIVE"
 PLAN_CACHE = "SGLANG_TEV_PLAN_CACHE"
@@ -215,6 +228,10 @@ _VARIABLES = (
     Variable(DFLASH2_MODE, _dflash2_mode, None, " | ".join(DFLASH2_MODES) + " (any case; empty = unset)",
              "how the SGLang plugin drafts with a DFlash2 checkpoint (unset: lattice when it has a candidate "
              "selector, else marginal)", USER, DFLASH2_MODES),
+    Variable(BUDGET, _served_budget, "fixed", " | ".join(SERVED_BUDGETS) + " (any case; empty = fixed)",
+             "how the SGLang plugin sizes each round's trees: fixed = N - 1 nodes every round; auto = one width "
+             "per round for the batch, from the calibrated exit law and the measured round cost, at most N - 1 "
+             "(0 = a plain decoding step; CPU-verified, no CUDA graphs or TP yet)", USER, SERVED_BUDGETS),
     Variable(CACHE, _path, None, "a directory (empty = unset)",
              "where the native host helpers are built (unset: $XDG_CACHE_HOME/sglang_tev, else ~/.cache/sglang_tev)",
              USER),

@@ -290,7 +290,9 @@ def node_path_scores(tree, drafted):
     Args:
         tree: the round's :class:`~sglang_tev.tree.DraftTree` (nodes in pop order).
         drafted: what the tree was built from: draft logits float [b, H, V] (row j = depth j + 1,
-            marginal mode), or a :class:`~sglang_tev.draft.dflash2.SelectorLattice`
+            marginal mode); the per-depth top-k lists ``(logq float [b, H, k], ids int64 [b, H, k])``
+            with ``logq`` normalised over the vocabulary (the SGLang worker's marginal mode); or a
+            :class:`~sglang_tev.draft.dflash2.SelectorLattice`
             (``candidate_ids`` [b, D, k], ``transition_logq`` [b, D, k, k]: a node's edge is read
             from the transition row of its parent's candidate, slot 0 from row 0).
     """
@@ -312,6 +314,14 @@ def node_path_scores(tree, drafted):
         pc = torch.where(depth <= 1, torch.zeros_like(pc), pc)  # slot 0's law is row 0
         flat = ((d0 * k + pc) * k + cidx)
         edge = trans.reshape(b, -1).gather(1, flat)
+    elif isinstance(drafted, tuple):
+        logq, ids = drafted
+        H, k = ids.shape[1], ids.shape[2]
+        d0 = d0.clamp(max=H - 1)
+        cand = ids.gather(1, d0.unsqueeze(-1).expand(b, n, k))  # [b, N, k]: the node's depth's list
+        hit = cand == tree.tokens.unsqueeze(-1)
+        lq = logq.to(torch.float64).gather(1, d0.unsqueeze(-1).expand(b, n, k))
+        edge = torch.where(hit, lq, torch.zeros_like(lq)).sum(-1)  # a listed token appears once per depth
     else:
         logits = drafted.to(torch.float32)
         H = logits.shape[1]

@@ -10,6 +10,7 @@ rides on existing fields (``../shared/notes/sglang-0.5.23-internals.md`` §1.5):
     SGLANG_TEV_TOPK                 k           per-depth list width of DDTree (default B)
     SGLANG_TEV_DFLASH2_MODE         lattice | marginal   DFlash2 drafters only (default: lattice
                                                 when the checkpoint has a selector; ``srt/dflash2.py``)
+    SGLANG_TEV_BUDGET               fixed | auto (default fixed; ``srt/budget.py``)
 
 The variables are declared and parsed in :mod:`sglang_tev.env` (``docs/env.md``).
 
@@ -99,6 +100,7 @@ DEFAULT_TREE_SIZE = 65
 ENV_VERIFIER = _env.VERIFIER
 ENV_TOPK = _env.TOPK
 ENV_DFLASH2_MODE = _env.DFLASH2_MODE
+ENV_BUDGET = _env.BUDGET
 
 DFLASH2_MODES = _env.DFLASH2_MODES
 """Draft modes of a DFlash2 drafter (``SGLANG_TEV_DFLASH2_MODE``): the selector lattice into a
@@ -115,6 +117,8 @@ class TevSettings:
         max_depth: D, deepest drafted node, 1 <= D <= K - 1; ``speculative_num_steps``.
         topk: k, per-depth list width of the DDTree builder.
         verifier: one of :data:`VERIFIERS`.
+        budget_mode: ``fixed`` (N - 1 nodes every round) or ``auto`` (one width per round for the
+            batch, at most N - 1, from the planner; ``SGLANG_TEV_BUDGET``).
     """
 
     tree_size: int
@@ -122,6 +126,7 @@ class TevSettings:
     max_depth: int
     topk: int
     verifier: str
+    budget_mode: str = "fixed"
 
     @property
     def budget(self) -> int:
@@ -220,6 +225,10 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
     read_env(environ)
     read_dflash2_mode(environ)
     device_kind = _device_kind(sa)
+    if _env.get(ENV_BUDGET, environ) == "auto":
+        # under TP every rank would have to adopt rank 0's width (not wired yet)
+        if int(getattr(sa, "tp_size", 1) or 1) > 1:
+            raise ValueError(f"TEV: {ENV_BUDGET}=auto is not supported with --tp-size > 1 yet; unset it or use fixed")
     if int(getattr(sa, "pp_size", 1) or 1) != 1:
         raise ValueError(f"TEV: --pp-size must be 1, got {sa.pp_size}")
     if int(getattr(sa, "attn_dp_size", 1) or 1) > 1 or bool(getattr(sa, "enable_dp_attention", False)):
@@ -413,9 +422,20 @@ def resolve_server_args(
     ):
         logger.info("TEV: decode graphs off on --device cpu (SGLang has no CPU graph runner for speculative decoding)")
         sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
+    cg = getattr(sa, "cuda_graph_config", None)
+    if (
+        _env.get(ENV_BUDGET, environ) == "auto"
+        and cg is not None
+        and dataclasses.is_dataclass(cg)
+        and getattr(cg.decode, "backend", "disabled") != "disabled"
+    ):
+        # the verify width changes every round; graphs per width tier are not captured yet
+        logger.warning("TEV: %s=auto runs the decode eagerly (no per-width CUDA graphs yet)", ENV_BUDGET)
+        sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
     if sa.max_running_requests is None:
         sa.max_running_requests = 48
-    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk, verifier=verifier)
+    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk, verifier=verifier,
+                       budget_mode=_env.get(ENV_BUDGET, environ))
 
 
 def settings_from_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> TevSettings:
@@ -429,4 +449,5 @@ def settings_from_server_args(sa, environ: Optional[Mapping[str, str]] = None) -
     if n is None or k is None or d is None:
         raise ValueError("TEV: server args were not resolved (tree size, block size or depth unset)")
     n, k, d = int(n), int(k), int(d)
-    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk if topk is not None else n - 1, verifier=verifier)
+    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk if topk is not None else n - 1, verifier=verifier,
+                       budget_mode=_env.get(ENV_BUDGET, environ))

@@ -33,6 +33,7 @@ same round.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
@@ -62,6 +63,7 @@ from ..verify import num_uniforms
 from .config import settings_from_server_args
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
+from .budget import ServedBudget, root_only_tree
 from .kv_headroom import check_row_headroom
 from .meta_info import META_INFO_KEYS, RoundLog
 from .penalties import apply_tree_penalties, count_accepted
@@ -164,6 +166,16 @@ def round_info_to_host(
     return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}, host
 
 
+def _row_temperatures(sampling_info, bs: int) -> list[float]:
+    """Per request, its temperature for the planner's calibration regime (0 = greedy: SGLang
+    stores a greedy request as top_k = 1, temperature = 1)."""
+    sampling = sampling_params_from_info(sampling_info)
+    t = sampling.temperature
+    if not torch.is_tensor(t):
+        return [float(t)] * bs
+    return [float(x) for x in t.view(-1).tolist()]
+
+
 class TEVWorker(DFlashWorkerV2):
     """DFlash V2 worker whose decode round drafts a DDTree and verifies it with TEV."""
 
@@ -205,6 +217,10 @@ class TEVWorker(DFlashWorkerV2):
             # compute_candidates reads the target head from the draft model (SGLang attaches it the
             # same way, dflash_worker_v2.py:911 and :1484-1485)
             self.draft_model.lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
+        # SGLANG_TEV_BUDGET=auto: one tree width per round for the batch (budget.py); fixed: N - 1
+        self._served_budget = (
+            ServedBudget(self.tev.budget, self.block_size) if self.tev.budget_mode == "auto" else None
+        )
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
         self._round_log = (
             RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)
@@ -341,9 +357,12 @@ class TEVWorker(DFlashWorkerV2):
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("TEV expected DFlashDraftInputV2 state on the running batch")
         bs = len(batch.seq_lens)
-        N = self.tev.tree_size
+        capacity = self.tev.tree_size  # N: what SGLang reserves per request and the result's row stride
         dev = self.device
         prefix = batch.seq_lens
+        served = self._served_budget
+        round_plan = served.plan(bs) if served is not None else None
+        budget = self.tev.budget if round_plan is None else round_plan.budget
         if prefix.is_cuda:
             # carried over from the previous overlap step, possibly made on another stream (as DFlash)
             prefix.record_stream(torch.cuda.current_stream(prefix.device))
@@ -353,7 +372,7 @@ class TEVWorker(DFlashWorkerV2):
             check_row_headroom(
                 row_len=self.model_runner.req_to_token_pool.req_to_token.shape[1],
                 context_len=self.target_worker.model_runner.model_config.context_len,
-                tree_size=N,
+                tree_size=capacity,
                 block_size=self.block_size,
                 page_size=self.model_runner.token_to_kv_pool_allocator.page_size,
             )
@@ -364,13 +383,23 @@ class TEVWorker(DFlashWorkerV2):
         # shallower tree, root-only at the last position)
         caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
         roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
-        if self._tev_draft.mode == "lattice":
+        drafted = None
+        if budget == 0:
+            # a plain decoding step (SGLANG_TEV_BUDGET=auto): nothing drafted. The draft KV of the
+            # committed token is still written from the target's features at commit.
+            tree = root_only_tree(roots)
+        elif self._tev_draft.mode == "lattice":
             # DFlash2: DDTree over the selector lattice (parent-dependent child lists)
             cand, trans_logq = self._draft_lattice(batch, draft_input, seq_lens_cpu, seq_lens_sum)
-            tree = build_lattice_trees(cand, trans_logq, self.tev.budget, roots, self.tev.max_depth, depth_cap=caps)
+            tree = build_lattice_trees(cand, trans_logq, budget, roots, self.tev.max_depth, depth_cap=caps)
+            drafted = SimpleNamespace(candidate_ids=cand, transition_logq=trans_logq)
         else:
             logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum)
-            tree = build_trees(logq, ids, self.tev.budget, roots, self.tev.max_depth, depth_cap=caps)
+            tree = build_trees(logq, ids, budget, roots, self.tev.max_depth, depth_cap=caps)
+            drafted = (logq, ids)
+        if served is not None and drafted is not None:
+            round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(batch.sampling_info, bs))
+        N = tree.num_nodes  # this round's width: the capacity with a fixed budget
         layout = tree_verify_layout(tree, prefix, seq_lens_sum)
         # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
         # with its grammar state and fills one vocabulary mask per node (spec_utils.traverse_tree)
@@ -490,17 +519,24 @@ class TEVWorker(DFlashWorkerV2):
             commit_lens=plan.commit_lens,
         )
         logits_output.hidden_states = None
+        if served is not None:  # the round's one host read: the planner's cost and reach labels
+            dec = out.host(tree, reach_at=list(round_plan.reach_at) if drafted is not None else None,
+                           reach_nodes=drafted is not None)
+            served.observe(round_plan, dec.reach_cum, dec.reach_nodes)
         budget = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
         logits_output.customized_info, host_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, budget)
         if self._round_log is not None:
             self._round_log.record(host_info)
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)
+        out_tokens = plan.out_tokens
+        if N < capacity:  # rows keep the server's stride N whatever this round's width
+            out_tokens = torch.nn.functional.pad(out_tokens, (0, capacity - N))
         return GenerationBatchResult(
             logits_output=logits_output,
-            next_token_ids=plan.out_tokens.reshape(-1),
+            next_token_ids=out_tokens.reshape(-1),
             accept_lens=plan.commit_lens,
             can_run_cuda_graph=target_out.can_run_cuda_graph,
             next_draft_input=next_draft_input,
-            speculative_num_draft_tokens=N,
+            speculative_num_draft_tokens=capacity,
             new_seq_lens=plan.new_seq_lens,
         )

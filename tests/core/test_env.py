@@ -62,7 +62,7 @@ def test_every_name_the_repository_mentions_is_registered():
 
 
 def test_registry_declarations():
-    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 13
+    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 14
     for name, var in env.REGISTRY.items():
         assert name == var.name and name.startswith(env.PREFIX)
         assert var.audience in (env.USER, env.TESTING)
@@ -70,7 +70,7 @@ def test_registry_declarations():
         assert var.read({}) == var.default  # unset -> the default
     assert set(env.names(env.USER)) | set(env.names(env.TESTING)) == set(env.names())
     assert env.names(env.USER) == ("SGLANG_TEV_VERIFIER", "SGLANG_TEV_TOPK", "SGLANG_TEV_DFLASH2_MODE",
-                                   "SGLANG_TEV_CACHE", "SGLANG_TEV_NATIVE", "SGLANG_TEV_PLAN_CACHE",
+                                   "SGLANG_TEV_BUDGET", "SGLANG_TEV_CACHE", "SGLANG_TEV_NATIVE", "SGLANG_TEV_PLAN_CACHE",
                                    "SGLANG_TEV_REFERENCE_ATTENTION")
 
 
@@ -286,6 +286,13 @@ def _old_path(name):
     return lambda e: e.get(name) or None  # the harness: `if os.environ.get(ENV): ... os.environ[ENV]`
 
 
+def _old_choice(raw: str, choices: tuple, default: str) -> str:
+    value = raw.strip().lower() or default
+    if value not in choices:
+        raise ValueError(raw)
+    return value
+
+
 OLD = {
     "SGLANG_TEV_VERIFIER": _old_verifier,
     "SGLANG_TEV_TOPK": _old_topk,
@@ -293,6 +300,8 @@ OLD = {
     "SGLANG_TEV_CACHE": _old_cache,
     "SGLANG_TEV_NATIVE": _old_native,
     # new with the plan cache: the same on/off words as NATIVE
+    # new with the served auto budget: fixed | auto, stripped, any case, empty = fixed
+    "SGLANG_TEV_BUDGET": lambda e: _old_choice(e.get("SGLANG_TEV_BUDGET", ""), ("fixed", "auto"), "fixed"),
     "SGLANG_TEV_PLAN_CACHE": lambda e: e.get("SGLANG_TEV_PLAN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off"),
     "SGLANG_TEV_REFERENCE_ATTENTION": _old_reference_attention,
     "SGLANG_TEV_CPU_ATTN_IGNORE_MASK": _old_ignore_mask,

@@ -151,6 +151,20 @@ def test_node_path_scores_are_the_builders_scores():
         assert all(a >= b - 1e-9 for a, b in zip(row, row[1:]))
 
 
+def test_node_path_scores_from_top_k_lists_equal_the_full_logits_ones():
+    """The SGLang worker's marginal mode hands the top-k lists (log q normalised over the whole
+    vocabulary): the scores equal those read from the full logits."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 13, generator=g) * 2
+    tree = build_ddtree(logits, 12, torch.tensor([1, 2, 3]))
+    lq = torch.log_softmax(logits.double(), -1)
+    vals, ids = lq.topk(6, dim=-1)
+    got = node_path_scores(tree, (vals.float(), ids))
+    want = node_path_scores(tree, logits)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)], atol=1e-5)
+
+
 def test_node_path_scores_follow_the_lattice_transition_rows():
     g = torch.Generator().manual_seed(5)
     b, D, k = 2, 3, 4

@@ -262,6 +262,29 @@ def test_other_verifiers_greedy_and_mixed(hosts, prompt_ids, plain_greedy, hf_mo
     hosts.close(verifier)
 
 
+# ---------------------------------------------------------------------- load-adaptive trees
+def test_auto_budget_keeps_plain_decodings_tokens_and_the_law(hosts, prompt_ids, plain_greedy, hf_model):
+    """SGLANG_TEV_BUDGET=auto with capacity N = 17: each round's width comes from the planner
+    (calibration first: the capacity, plain decoding, a middle width), and greedy rows, in a greedy
+    batch or next to sampled rows, keep plain decoding's tokens; every round comes back with its
+    budget; the seeded first two tokens follow the target law."""
+    for name in list(hosts.hosts):
+        hosts.close(name)
+    eng = hosts.get("auto", tev_kwargs(17), env={"SGLANG_TEV_BUDGET": "auto"})
+    out = eng.generate(prompt_ids, greedy_params(MAX_NEW))
+    assert_same_ids(ids_of(out), plain_greedy, prompt_ids, hf_model, "auto (N=17) vs plain")
+    budgets = [b for o in out for b in o["meta_info"]["tev_budget"]]
+    assert all(len(o["meta_info"]["tev_budget"]) == o["meta_info"]["spec_verify_ct"] for o in out)
+    assert len(set(budgets)) >= 2 and set(budgets) <= {0, 2, 4, 8, 16}, sorted(set(budgets))
+    mixed = eng.generate(
+        prompt_ids[:4] * 2,
+        greedy_params(MAX_NEW[:4]) + [{"temperature": 1.0, "max_new_tokens": n} for n in MAX_NEW[:4]],
+    )
+    assert_same_ids(ids_of(mixed[:4]), plain_greedy[:4], prompt_ids, hf_model, "auto: greedy rows of a mixed batch")
+    check_first_two_tokens(eng, prompt_ids[4], hf_model, {"temperature": 1.0, "top_p": 0.8}, seeded=True)
+    hosts.close("auto")
+
+
 # ---------------------------------------------------------------------- negative control
 def test_negative_control_tree_mask_ignored_fails(hosts, prompt_ids, plain_greedy):
     """The same greedy test with the CPU backend told to ignore the tree mask must fail: the

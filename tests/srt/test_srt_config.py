@@ -121,6 +121,22 @@ def test_cpu_turns_decode_graphs_off_and_says_why(caplog):
                          environ={"SGLANG_USE_CPU_ENGINE": "1"})  # fmt: skip
 
 
+def test_auto_budget_runs_the_decode_eagerly_and_reaches_the_worker(caplog):
+    """SGLANG_TEV_BUDGET=auto: the verify width changes every round, so decode graphs are turned
+    off (said in the log); the worker's rebuilt settings carry the mode; fixed is the default."""
+    cfg = _GraphConfig()
+    sa = args(attention_backend="triton", cuda_graph_config=cfg)
+    env = {"SGLANG_TEV_BUDGET": "Auto"}
+    with caplog.at_level("WARNING", logger="sglang_tev.srt.config"):
+        s = resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env)
+    assert s.budget_mode == "auto" and settings_from_server_args(sa, environ=env) == s
+    assert sa.cuda_graph_config.decode.backend == "disabled" and cfg.decode.backend == "full"
+    assert any("runs the decode eagerly" in r.getMessage() for r in caplog.records)
+    sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
+    assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={}).budget_mode == "fixed"
+    assert sa.cuda_graph_config.decode.backend == "full"
+
+
 def test_env_settings():
     assert read_env({}) == ("tev", None)
     assert read_env({"SGLANG_TEV_VERIFIER": "Sequential", "SGLANG_TEV_TOPK": "8"}) == ("sequential", 8)
@@ -155,6 +171,8 @@ def test_env_settings():
          "--enable-torch-compile on --device cpu"),
         (dict(), {"SGLANG_TEV_VERIFIER": "greedy"}, "SGLANG_TEV_VERIFIER"),
         (dict(), {"SGLANG_TEV_TOPK": "-1"}, "SGLANG_TEV_TOPK"),
+        (dict(), {"SGLANG_TEV_BUDGET": "ragged"}, "SGLANG_TEV_BUDGET"),
+        (dict(tp_size=2), {"SGLANG_TEV_BUDGET": "auto"}, r"SGLANG_TEV_BUDGET=auto is not supported with --tp-size > 1"),
     ],
 )
 def test_bad_settings_raise_one_clear_error(kw, env, match):

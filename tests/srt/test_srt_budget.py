@@ -1,0 +1,61 @@
+"""``SGLANG_TEV_BUDGET=auto``'s policy in the SGLang worker (``sglang_tev/srt/budget.py``): the
+grid under the capacity, the calibration's first widths, a steady round cut to the planner's
+width (a best-first prefix of the tree it was built as), plain steps as root-only trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_tev import build_ddtree
+from sglang_tev.autobudget import CostTable
+from sglang_tev.srt.budget import ServedBudget, budget_grid, root_only_tree
+
+
+def test_grid_under_the_capacity():
+    assert budget_grid(16) == (0, 2, 4, 8, 16)
+    assert budget_grid(64) == (0, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert budget_grid(11) == (0, 2, 4, 8, 11)
+    assert budget_grid(1) == (0, 1)
+    with pytest.raises(ValueError, match="capacity"):
+        budget_grid(0)
+
+
+def test_root_only_tree_is_a_plain_step():
+    t = root_only_tree(torch.tensor([5, 7]))
+    assert t.num_nodes == 1 and t.tokens.tolist() == [[5], [7]] and t.parents.tolist() == [[-1], [-1]]
+
+
+def test_rounds_calibrate_then_cut_steady_trees_to_a_prefix():
+    """Synthetic rounds (a fixed cost per node, a known reach law): the first rounds calibrate at
+    the capacity, plain decoding and a middle width; later steady rounds are cut, and a cut tree is
+    the first w + 1 nodes of the tree it was built as."""
+    now = [0.0]
+    served = ServedBudget(16, block_size=8, costs=CostTable(load_correction=False), clock=lambda: now[0])
+    g = torch.Generator().manual_seed(0)
+    seen, cuts = [], 0
+    for _ in range(120):
+        plan = served.plan(2)
+        b = plan.budget
+        if b == 0:
+            tree, drafted = root_only_tree(torch.tensor([1, 2])), None
+        else:
+            logits = torch.randn(2, 7, 20, generator=g) * 3
+            tree = build_ddtree(logits, b, torch.tensor([1, 2]))
+            drafted = logits
+            before = tree
+            plan, tree = served.refine(plan, tree, drafted, [0.0, 1.0])
+            if tree.num_nodes < before.num_nodes:
+                cuts += 1
+                n = tree.num_nodes
+                assert torch.equal(tree.tokens, before.tokens[:, :n]) and torch.equal(tree.parents, before.parents[:, :n])
+        seen.append(plan.budget)
+        # reach: the first nodes of each tree are likely, the rest are not; cost grows with nodes
+        n = tree.num_nodes
+        reach = [[1.0] + [0.8 ** i for i in range(1, n)] for _ in range(2)]
+        cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
+        now[0] += 0.001 * (1 + 0.1 * n)  # the round took 1 ms plus 0.1 ms per node
+        served.observe(plan, cum, reach if drafted is not None else None)
+    assert seen[0] == 16 and 0 in seen[:10]  # calibration: the capacity, then plain decoding
+    assert set(seen) <= set(budget_grid(16)) and served.rounds == 120
+    assert cuts > 0, (seen, served.planner.widths)
