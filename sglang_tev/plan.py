@@ -234,6 +234,22 @@ class TreePlanner(AutoBudget):
         self._pending = (out, list(regimes), [list(s) for s in scores])
         return out
 
+    def refine_tree(self, plan: RoundPlan, tree, drafted, regimes: Sequence[str]):
+        """:meth:`refine` from the tree itself: its nodes' draft path scores
+        (:func:`~sglang_tev.planner.node_path_scores` of ``drafted``, padded nodes left out; on CUDA
+        a small host read), and the tree cut to the refined plan (a best-first tree's first w + 1
+        nodes are its budget-w tree). Returns (plan, tree)."""
+        from .planner import node_path_scores
+        from .tree import DraftTree
+
+        scores = node_path_scores(tree, drafted)[:, 1:].tolist()
+        per_row = [[x for x in row if x != float("-inf")] for row in scores]
+        out = self.refine(plan, per_row, regimes)
+        n = out.budget + 1
+        if n < tree.num_nodes:
+            tree = DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
+        return out, tree
+
     def observe(self, plan: RoundPlan, reach_cum, seconds: float, reach_nodes=None) -> None:
         """As :meth:`AutoBudget.observe`, plus: ``reach_nodes`` (per row, the reach ``P(v)`` of
         the tree's nodes root first, as verified) label the refined round's scores for the

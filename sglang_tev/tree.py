@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "DraftTree",
+    "root_only_tree",
     "ExitLaw",
     "exit_law",
     "exit_law_from_edges",
@@ -276,6 +277,16 @@ def _validate_structure(parents: torch.Tensor, tokens: torch.Tensor, valid: torc
             f"tokens: valid siblings must carry distinct tokens; nodes {i + 1} and {j + 1} of tree {r} "
             f"share parent {int(p[r, i])} and token {int(tokens[r, i + 1])}"
         )
+
+
+def root_only_tree(roots: torch.Tensor) -> DraftTree:
+    """Root-only trees (a plain decoding step as a tree: nothing drafted) from int64 [b] roots,
+    built without a host sync."""
+    b = roots.shape[0]
+    dev = roots.device
+    return DraftTree(torch.full((b, 1), -1, dtype=torch.int64, device=dev), roots.view(b, 1).to(torch.int64).clone(),
+                     torch.ones(b, 1, dtype=torch.bool, device=dev), torch.zeros(b, 1, dtype=torch.int64, device=dev),
+                     torch.ones(b, 1, 1, dtype=torch.bool, device=dev), 0)
 
 
 # ---------------------------------------------------------------------- exit law

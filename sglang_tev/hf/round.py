@@ -34,9 +34,9 @@ from ..draft.dflash2 import SelectorLattice
 from ..draft.lattice import build_lattice_tree, selector_chain
 from ..native import native
 from ..plan import BudgetPolicy, RoundPlan
-from ..planner import node_path_scores, regime_of
+from ..planner import regime_of
 from ..sampling import SamplingParams
-from ..tree import DraftTree
+from ..tree import DraftTree, root_only_tree
 from ..verify import num_uniforms, verify_tree
 from .control_state import ControlState
 from .masks import KEPT_MASK_MAX_ROWS, KeptTreeMask, tree_masks
@@ -268,13 +268,8 @@ def refine(state: BatchState, tree: DraftTree, drafted) -> DraftTree:
     """Ask the planner (:meth:`sglang_tev.plan.TreePlanner.refine`) for this round's width from
     the tree's draft path scores, and cut the tree to it: a best-first tree's first ``w`` nodes
     are its budget-``w`` tree. Sets ``state.plan`` to the refined plan."""
-    scores = node_path_scores(tree, drafted)[:, 1:].tolist()  # on CUDA one more small read
-    per_row = [[x for x in row if x != float("-inf")] for row in scores]
     regimes = [regime_of(0.0 if r.greedy else _first(r.req.sampling.temperature)) for r in state.rows]
-    plan = state.plan = state.policy.refine(state.plan, per_row, regimes)
-    n = plan.budget + 1
-    if n < tree.num_nodes:
-        tree = DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
+    state.plan, tree = state.policy.refine_tree(state.plan, tree, drafted, regimes)
     return tree
 
 
@@ -320,15 +315,6 @@ def build_chain(draft_logits: torch.Tensor, roots: torch.Tensor, depth_cap: list
     if tree.num_nodes < width:  # static width K even when H < K - 1
         tree = _pad_to(tree, width)
     return tree
-
-
-def root_only_tree(roots: torch.Tensor) -> DraftTree:
-    """Root-only trees (autoregressive steps), built without a host sync."""
-    b = roots.shape[0]
-    dev = roots.device
-    return DraftTree(torch.full((b, 1), -1, dtype=torch.int64, device=dev), roots.view(b, 1).clone(),
-                     torch.ones(b, 1, dtype=torch.bool, device=dev), torch.zeros(b, 1, dtype=torch.int64, device=dev),
-                     torch.ones(b, 1, 1, dtype=torch.bool, device=dev), 0)
 
 
 def _pad_to(tree: DraftTree, n: int) -> DraftTree:

@@ -22,14 +22,14 @@ a device sync per round (not measured on a GPU yet), on CPU it costs nothing.
 from __future__ import annotations
 
 import time
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from ..autobudget import DEFAULT_GRID, BudgetController, CostTable
 from ..plan import RoundPlan, TreePlanner
-from ..planner import node_path_scores, regime_of
-from ..tree import DraftTree
+from ..planner import regime_of
+
+if TYPE_CHECKING:
+    from ..tree import DraftTree
 
 __all__ = ["ServedBudget", "budget_grid"]
 
@@ -85,14 +85,7 @@ class ServedBudget:
         Returns:
             (the plan the round runs, the tree cut to it).
         """
-        scores = node_path_scores(tree, drafted)[:, 1:].tolist()  # on CUDA a small host read
-        per_row = [[x for x in row if x != float("-inf")] for row in scores]
-        regimes = [regime_of(t) for t in temperatures]
-        out = self.planner.refine(plan, per_row, regimes)
-        n = out.budget + 1
-        if n < tree.num_nodes:
-            tree = DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
-        return out, tree
+        return self.planner.refine_tree(plan, tree, drafted, [regime_of(t) for t in temperatures])
 
     def observe(self, plan: RoundPlan, reach_cum, reach_nodes) -> float:
         """Close the round: its seconds since :meth:`plan` and its exit-law labels go to the
@@ -103,10 +96,3 @@ class ServedBudget:
         self.planner.observe(plan, reach_cum, seconds, reach_nodes=reach_nodes)
         self.rounds += 1
         return seconds
-
-
-def root_only_tree(roots: torch.Tensor) -> DraftTree:
-    """A plain decoding step as a tree: the root alone (int64 [bs] roots), nothing drafted."""
-    bs = roots.shape[0]
-    parents = torch.full((bs, 1), -1, dtype=torch.int64, device=roots.device)
-    return DraftTree.from_parents(parents, roots.view(bs, 1).to(torch.int64), validate=False)

@@ -413,29 +413,19 @@ def resolve_server_args(
             n, k, d, need, 2 * n, _smallest_overlap_tree(k, d),
         )
         sa.disable_overlap_schedule = True
+    budget_mode = _env.get(ENV_BUDGET, environ)
     cg = getattr(sa, "cuda_graph_config", None)
-    if (
-        _device_kind(sa) == "cpu"
-        and cg is not None
-        and dataclasses.is_dataclass(cg)
-        and getattr(cg.decode, "backend", "disabled") != "disabled"
-    ):
-        logger.info("TEV: decode graphs off on --device cpu (SGLang has no CPU graph runner for speculative decoding)")
-        sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
-    cg = getattr(sa, "cuda_graph_config", None)
-    if (
-        _env.get(ENV_BUDGET, environ) == "auto"
-        and cg is not None
-        and dataclasses.is_dataclass(cg)
-        and getattr(cg.decode, "backend", "disabled") != "disabled"
-    ):
-        # the verify width changes every round; graphs per width tier are not captured yet
-        logger.warning("TEV: %s=auto runs the decode eagerly (no per-width CUDA graphs yet)", ENV_BUDGET)
-        sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
+    if cg is not None and dataclasses.is_dataclass(cg) and getattr(cg.decode, "backend", "disabled") != "disabled":
+        if _device_kind(sa) == "cpu":
+            logger.info("TEV: decode graphs off on --device cpu (SGLang has no CPU graph runner for speculative decoding)")
+            sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
+        elif budget_mode == "auto":
+            # the verify width changes every round; graphs per width tier are not captured yet
+            logger.warning("TEV: %s=auto runs the decode eagerly (no per-width CUDA graphs yet)", ENV_BUDGET)
+            sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
     if sa.max_running_requests is None:
         sa.max_running_requests = 48
-    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk, verifier=verifier,
-                       budget_mode=_env.get(ENV_BUDGET, environ))
+    return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk, verifier=verifier, budget_mode=budget_mode)
 
 
 def settings_from_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> TevSettings:

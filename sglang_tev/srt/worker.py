@@ -59,11 +59,12 @@ from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
 from ..env import check_environment
+from ..tree import root_only_tree
 from ..verify import num_uniforms
 from .config import settings_from_server_args
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
-from .budget import ServedBudget, root_only_tree
+from .budget import ServedBudget
 from .kv_headroom import check_row_headroom
 from .meta_info import META_INFO_KEYS, RoundLog
 from .penalties import apply_tree_penalties, count_accepted
@@ -166,10 +167,10 @@ def round_info_to_host(
     return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}, host
 
 
-def _row_temperatures(sampling_info, bs: int) -> list[float]:
-    """Per request, its temperature for the planner's calibration regime (0 = greedy: SGLang
-    stores a greedy request as top_k = 1, temperature = 1)."""
-    sampling = sampling_params_from_info(sampling_info)
+def _row_temperatures(sampling, bs: int) -> list[float]:
+    """Per request, its temperature for the planner's calibration regime, from the round's
+    :func:`sampling_params_from_info` (0 = greedy: SGLang stores a greedy request as top_k = 1,
+    temperature = 1)."""
     t = sampling.temperature
     if not torch.is_tensor(t):
         return [float(t)] * bs
@@ -397,8 +398,10 @@ class TEVWorker(DFlashWorkerV2):
             logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum)
             tree = build_trees(logq, ids, budget, roots, self.tev.max_depth, depth_cap=caps)
             drafted = (logq, ids)
+        sampling_info = batch.sampling_info
+        sampling = sampling_params_from_info(sampling_info)  # this round's target law, per request
         if served is not None and drafted is not None:
-            round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(batch.sampling_info, bs))
+            round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(sampling, bs))
         N = tree.num_nodes  # this round's width: the capacity with a fixed budget
         layout = tree_verify_layout(tree, prefix, seq_lens_sum)
         # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
@@ -462,7 +465,6 @@ class TEVWorker(DFlashWorkerV2):
         if target_lp is not None and target_lp.is_deferred_shard(logits):
             logits = target_lp.finish_deferred_gather(logits)
             logits_output.next_token_logits = logits
-        sampling_info = batch.sampling_info
         grammar_mask = None
         if grammar_tree is not None:
             grammar_mask = build_grammar_vocab_mask(
@@ -478,7 +480,6 @@ class TEVWorker(DFlashWorkerV2):
             grammar_mask.apply(logits)
 
         # 3) exact verification on the processed target law
-        sampling = sampling_params_from_info(sampling_info)
         uniforms = None
         seeds = getattr(sampling_info, "sampling_seed", None)
         all_greedy = bool(getattr(sampling_info, "is_all_greedy", False))  # a host flag: no read
@@ -523,8 +524,10 @@ class TEVWorker(DFlashWorkerV2):
             dec = out.host(tree, reach_at=list(round_plan.reach_at) if drafted is not None else None,
                            reach_nodes=drafted is not None)
             served.observe(round_plan, dec.reach_cum, dec.reach_nodes)
-        budget = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
-        logits_output.customized_info, host_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, budget)
+        tree_budgets = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
+        logits_output.customized_info, host_info = round_info_to_host(
+            plan.commit_lens, out.accept_len, out.coverage, tree_budgets
+        )
         if self._round_log is not None:
             self._round_log.record(host_info)
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)

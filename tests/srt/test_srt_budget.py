@@ -9,7 +9,8 @@ import torch
 
 from sglang_tev import build_ddtree
 from sglang_tev.autobudget import CostTable
-from sglang_tev.srt.budget import ServedBudget, budget_grid, root_only_tree
+from sglang_tev.srt.budget import ServedBudget, budget_grid
+from sglang_tev.tree import root_only_tree
 
 
 def test_grid_under_the_capacity():
