@@ -126,11 +126,14 @@ def install_meta_info_hooks() -> None:
 class RoundLog:
     """The TEV line of a server's periodic log: every ``interval`` rounds (SGLang's
     ``--decode-log-interval``), the mean planned budget, accept length, exit depth and coverage per
-    request-round since the last line, read from the rounds' host copies of ``customized_info``.
+    request-round since the last line.
 
-    On CUDA the newest copy may still be in flight (it is fenced only by the scheduler's
-    ``copy_done``), so a line reads every recorded round but the newest, which it keeps for the
-    next line: the log costs no device sync.
+    It reads only values the scheduler has already read: each round's ``customized_info`` columns
+    (``srt/worker.py`` ``RoundColumn``) are read by SGLang's result processor after its
+    ``copy_done`` fence; the log takes their Python lists (:meth:`RoundColumn.peek`) and never
+    touches the host tensor itself, so it costs no device sync and no tensor op inside the round.
+    A round not read yet (the newest, in flight under overlap) waits for the next line; a round
+    the scheduler never read (every request of it already finished) is skipped.
 
     Args:
         interval: rounds between lines (>= 1).
@@ -147,26 +150,26 @@ class RoundLog:
         self._pending: list = []
         self._rounds = 0
 
-    def record(self, host) -> None:
-        """One round's ``float32 [len(META_INFO_KEYS), bs]`` host tensor; emits a line every
-        ``interval`` rounds."""
-        self._pending.append(host)
+    def record(self, columns) -> None:
+        """One round's ``{key: column}`` (:data:`META_INFO_KEYS`; a column has ``peek()`` -> its
+        per-request values once read, else None); emits a line every ``interval`` rounds."""
+        self._pending.append(columns)
         self._rounds += 1
         if self._rounds % self.interval == 0:
             self.emit()
 
     def emit(self) -> str | None:
-        """Log (and return) the line over every pending round but the newest on CUDA; None when
-        no round is readable yet."""
-        keep = self._pending[-1:] if self._pending and self._pending[-1].is_pinned() else []
-        ready = self._pending[: len(self._pending) - len(keep)]
-        self._pending = keep
+        """Log (and return) the line over every pending round already read; None when none is."""
+        values = [[col.peek() for col in (r[k] for k in META_INFO_KEYS)] for r in self._pending]
+        read = [i for i, v in enumerate(values) if all(col is not None for col in v)]
+        last = read[-1] if read else -1
+        self._pending = self._pending[last + 1 :]  # unread rounds after the newest read one wait
+        ready = [values[i] for i in read]
         if not ready:
             return None
         sums = [0.0] * len(META_INFO_KEYS)
         count = 0
-        for host in ready:
-            rows = host.tolist()
+        for rows in ready:
             count += len(rows[0])
             for k, row in enumerate(rows):
                 sums[k] += sum(row)

@@ -135,6 +135,10 @@ class RoundColumn:
     def __getitem__(self, i):
         return self._read()[i]
 
+    def peek(self) -> list | None:
+        """The values if the scheduler has read them already, else None (never reads ``host``)."""
+        return self._values
+
     def __len__(self) -> int:
         return int(self.host.shape[1])
 
@@ -525,11 +529,11 @@ class TEVWorker(DFlashWorkerV2):
                            reach_nodes=drafted is not None)
             served.observe(round_plan, dec.reach_cum, dec.reach_nodes)
         tree_budgets = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
-        logits_output.customized_info, host_info = round_info_to_host(
+        logits_output.customized_info, _ = round_info_to_host(
             plan.commit_lens, out.accept_len, out.coverage, tree_budgets
         )
         if self._round_log is not None:
-            self._round_log.record(host_info)
+            self._round_log.record(logits_output.customized_info)
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)
         out_tokens = plan.out_tokens
         if N < capacity:  # rows keep the server's stride N whatever this round's width

@@ -170,15 +170,39 @@ def test_plugin_registers_both_hooks():
 
 
 def test_round_log_lines(caplog):
+    """The log line averages the rounds the scheduler has read; an unread round (the newest, in
+    flight) waits for the next line, one never read (all its requests finished) is skipped, and
+    the log itself runs no tensor op (it reads the columns' Python lists)."""
+    from sglang_tev.srt.worker import round_info_to_host
+    from sglang_tev.testing.host_sync import HostSyncCounter
+
+    def round_(acc, depth, cov, budget, read=True):
+        cols, _ = round_info_to_host(*(torch.tensor(v) for v in (acc, depth, cov, budget)))
+        if read:
+            list(cols[META_INFO_KEYS[0]])  # what SGLang's result processor does, request by request
+            for k in META_INFO_KEYS[1:]:
+                cols[k][0]
+        return cols
+
     log = logging.getLogger("test_round_log")
     rl = RoundLog(2, log)
     with caplog.at_level(logging.INFO, logger="test_round_log"):
-        rl.record(torch.tensor([[3.0, 1.0], [2.0, 0.0], [2.5, 1.0], [16.0, 8.0]]))
+        rl.record(round_([3, 1], [2, 0], [2.5, 1.0], [16, 8]))
         assert not caplog.records
-        rl.record(torch.tensor([[5.0], [4.0], [4.0], [32.0]]))
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert line == (
-        "TEV: 2 rounds, 3 request-rounds: mean budget 18.7, accept length 3.00, exit depth 2.00, coverage 2.50"
+        newest = round_([5], [4], [4.0], [32], read=False)
+        with HostSyncCounter() as probe:
+            rl.record(newest)  # a line over the one read round; the newest waits
+        assert probe.events == []
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line == (
+            "TEV: 1 rounds, 2 request-rounds: mean budget 12.0, accept length 2.00, exit depth 1.00, coverage 1.75"
+        )
+        newest[META_INFO_KEYS[0]][0], [newest[k][0] for k in META_INFO_KEYS[1:]]  # now the scheduler reads it
+        rl.record(round_([9], [9], [9.0], [9], read=False))  # never read: skipped once a later one is
+        rl.record(round_([1], [0], [1.0], [4]))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[1] == (
+        "TEV: 2 rounds, 2 request-rounds: mean budget 18.0, accept length 3.00, exit depth 2.00, coverage 2.50"
     )
     assert rl.emit() is None  # nothing pending
     with pytest.raises(ValueError, match="interval"):

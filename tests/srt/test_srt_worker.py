@@ -192,6 +192,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         assert [a + 1 for a in info["tev_exit_depth"]] == res.accept_lens.tolist()
         accepts += info["tev_exit_depth"]
         assert list(info["tev_budget"]) == [wr - 1] * bs  # every request's tree filled this round's width
+        assert len(list(info["tev_coverage"])) == bs  # every column read, as the scheduler does
         assert batch.seq_lens_cpu is seen["seq_cpu"] or torch.equal(batch.seq_lens_cpu, seen["seq_cpu"])  # restored
         batch.seq_lens = res.new_seq_lens.clone()
         batch.seq_lens_cpu = res.new_seq_lens.clone()
