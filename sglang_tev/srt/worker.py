@@ -508,10 +508,13 @@ class TEVWorker(DFlashWorkerV2):
 
         # 4) commit: accepted path to the front of each window (KV and hidden rows)
         target_ids = kv_plan.write_ids(self.model_runner.kv_index_translator)  # physical slots of the window
-        src = target_ids[plan.src_rows.reshape(-1)]
-        dst = target_ids[plan.dst_rows.reshape(-1)]
-        self.model_runner.token_to_kv_pool_allocator.get_kvcache().move_kv_cache(dst, src)
-        hidden = compact_rows(logits_output.hidden_states, plan)
+        if N > 1:
+            src = target_ids[plan.src_rows.reshape(-1)]
+            dst = target_ids[plan.dst_rows.reshape(-1)]
+            self.model_runner.token_to_kv_pool_allocator.get_kvcache().move_kv_cache(dst, src)
+            hidden = compact_rows(logits_output.hidden_states, plan)
+        else:  # a root-only round (a plain step): the path is the root, already at the front
+            hidden = logits_output.hidden_states
         if on_publish is not None:
             on_publish(plan.new_seq_lens)
         cache_loc = self._draft_write_ids(kv_plan)
