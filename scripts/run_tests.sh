@@ -34,4 +34,4 @@ if [[ $INSTALL == 1 ]]; then
     # sglang was installed above: its tests must run, not skip
     export SGLANG_TEV_REQUIRE_SGLANG=1
 fi
-python -m pytest -q "${FAST[@]}" "$@"
+python -m pytest -q --durations=25 "${FAST[@]}" "$@"

@@ -231,7 +231,7 @@ _VARIABLES = (
     Variable(BUDGET, _served_budget, "fixed", " | ".join(SERVED_BUDGETS) + " (any case; empty = fixed)",
              "how the SGLang plugin sizes each round's trees: fixed = N - 1 nodes every round; auto = one width "
              "per round for the batch, from the calibrated exit law and the measured round cost, at most N - 1 "
-             "(0 = a plain decoding step; CPU-verified, no CUDA graphs or TP yet)", USER, SERVED_BUDGETS),
+             "(0 = a plain decoding step; under TP rank 0's width; CPU-verified, no CUDA graphs yet)", USER, SERVED_BUDGETS),
     Variable(CACHE, _path, None, "a directory (empty = unset)",
              "where the native host helpers are built (unset: $XDG_CACHE_HOME/sglang_tev, else ~/.cache/sglang_tev)",
              USER),

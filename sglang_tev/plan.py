@@ -26,7 +26,7 @@ from typing import Iterable, Protocol, Sequence
 from .planner import ReachCalibration, allocate
 from .spec import MAX_BUDGET, SpecError, check_budget
 
-__all__ = ["RoundPlan", "BudgetPolicy", "FixedBudget", "AutoBudget", "TreePlanner"]
+__all__ = ["RoundPlan", "BudgetPolicy", "FixedBudget", "AutoBudget", "TreePlanner", "cut_tree"]
 
 
 @dataclass(frozen=True)
@@ -240,15 +240,11 @@ class TreePlanner(AutoBudget):
         a small host read), and the tree cut to the refined plan (a best-first tree's first w + 1
         nodes are its budget-w tree). Returns (plan, tree)."""
         from .planner import node_path_scores
-        from .tree import DraftTree
 
         scores = node_path_scores(tree, drafted)[:, 1:].tolist()
         per_row = [[x for x in row if x != float("-inf")] for row in scores]
         out = self.refine(plan, per_row, regimes)
-        n = out.budget + 1
-        if n < tree.num_nodes:
-            tree = DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
-        return out, tree
+        return out, cut_tree(tree, out.budget + 1)
 
     def observe(self, plan: RoundPlan, reach_cum, seconds: float, reach_nodes=None) -> None:
         """As :meth:`AutoBudget.observe`, plus: ``reach_nodes`` (per row, the reach ``P(v)`` of
@@ -272,6 +268,22 @@ class TreePlanner(AutoBudget):
             for g, s, p in zip(regimes, scores, reach_nodes):
                 m = min(len(s), max(0, len(p) - 1), plan.budget)
                 self.calibration.update(g, s[:m], p[1: m + 1])
+
+
+def cut_tree(tree, n: int):
+    """The first ``n`` nodes of a best-first ``DraftTree`` (its budget ``n - 1`` tree: a node's
+    parent always comes before it); the tree itself when it has ``n`` nodes or fewer.
+
+    Raises:
+        ValueError naming ``n`` when it is below 1 (the root).
+    """
+    from .tree import DraftTree
+
+    if int(n) < 1:
+        raise ValueError(f"n must be at least 1 (the root), got {n!r}")
+    if n >= tree.num_nodes:
+        return tree
+    return DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
 
 
 @dataclass(frozen=True)

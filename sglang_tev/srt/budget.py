@@ -14,6 +14,12 @@ SGLang's verify input expects); a ragged layout (per-request widths, SGLang's
 ``RaggedVerifyLayout``) is not wired. KV reservation stays sized by the capacity N (SGLang reserves
 2N slots per request per step), so the context-edge and overlap rules hold for any width <= N - 1.
 
+Tensor parallelism: every rank must run the same width every round (their caches and collectives
+would part otherwise), so rank 0 decides and the others adopt: rank 0's plan before the draft and
+its refined plan after it go to every rank through SGLang's TP group (``broadcast_object`` on the
+group's CPU side: no device sync), the followers cut their own trees (built from the same draft) to
+it, and only rank 0's planner learns (its clock and its exit-law labels).
+
 Cost: the round's wall seconds, from the round's start to its end, after the round's one host read
 (the decision and the reach labels in one transfer, :meth:`VerifyOutput.host`); on CUDA that read is
 a device sync per round (not measured on a GPU yet), on CPU it costs nothing.
@@ -22,10 +28,10 @@ a device sync per round (not measured on a GPU yet), on CPU it costs nothing.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..autobudget import DEFAULT_GRID, BudgetController, CostTable
-from ..plan import RoundPlan, TreePlanner
+from ..plan import RoundPlan, TreePlanner, cut_tree
 from ..planner import regime_of
 
 if TYPE_CHECKING:
@@ -47,7 +53,7 @@ def budget_grid(capacity: int) -> tuple[int, ...]:
 
 
 class ServedBudget:
-    """One server's tree-width policy (rank 0 of a TP 1 server; ``config`` refuses TP > 1).
+    """One server's tree-width policy; under TP, one per rank with rank 0 deciding.
 
     Args:
         capacity: B_max = N - 1 (``--speculative-num-draft-tokens`` minus the root).
@@ -55,25 +61,43 @@ class ServedBudget:
         costs: the :class:`~sglang_tev.autobudget.CostTable` (None: a fresh one that corrects
             for the machine's load, as the transformers runtime's).
         clock: seconds source (default ``time.perf_counter``).
+        broadcast: TP > 1: ``broadcast(obj) -> rank 0's obj`` over the TP group (every rank calls
+            it in the same order; rank 0 gets its own object back); None: TP 1.
+        leader: whether this rank decides (TP rank 0); a follower (``broadcast`` required) runs
+            no planner of its own.
+    Raises:
+        ValueError when a follower has no ``broadcast``.
     """
 
-    def __init__(self, capacity: int, block_size: int, costs: CostTable | None = None, clock=time.perf_counter) -> None:
+    def __init__(self, capacity: int, block_size: int, costs: CostTable | None = None, clock=time.perf_counter,
+                 broadcast: Callable[[Any], Any] | None = None, leader: bool = True) -> None:
+        if not leader and broadcast is None:
+            raise ValueError("broadcast is required on a follower rank (leader=False): it adopts rank 0's plans")
         self.grid = budget_grid(capacity)
         self.clock = clock
+        self.broadcast = broadcast
+        self.leader = bool(leader)
         self.controller = BudgetController(self.grid, costs if costs is not None else CostTable())
         self.planner = TreePlanner(self.controller, block_size)
         self.capacity = int(capacity)
         self._t0: float | None = None
         self.rounds = 0
 
+    def _adopt(self, plan: RoundPlan | None) -> RoundPlan:
+        return plan if self.broadcast is None else self.broadcast(plan)
+
     def plan(self, bs: int) -> RoundPlan:
-        """The round's plan before the draft (one budget for the batch; 0 = plain decoding).
-        Starts the round's clock."""
+        """The round's plan before the draft (one budget for the batch; 0 = plain decoding),
+        rank 0's under TP. Starts the round's clock."""
         self._t0 = self.clock()
-        return self.planner.plan(bs)
+        plan = self._adopt(self.planner.plan(bs) if self.leader else None)
+        if len(plan.budgets) != bs:
+            raise RuntimeError(f"TEV: rank 0 planned {len(plan.budgets)} requests, this rank runs {bs}")
+        return plan
 
     def refine(self, plan: RoundPlan, tree: DraftTree, drafted, temperatures: Sequence[float]) -> tuple[RoundPlan, DraftTree]:
-        """Cut a steady round's tree to the width the planner picks from its node values.
+        """Cut a steady round's tree to the width the planner picks from its node values (rank
+        0's width under TP; a follower cuts its own tree to it).
 
         Args:
             plan: this round's :meth:`plan`.
@@ -85,14 +109,20 @@ class ServedBudget:
         Returns:
             (the plan the round runs, the tree cut to it).
         """
-        return self.planner.refine_tree(plan, tree, drafted, [regime_of(t) for t in temperatures])
+        if self.leader:
+            plan, tree = self.planner.refine_tree(plan, tree, drafted, [regime_of(t) for t in temperatures])
+            self._adopt(plan)
+            return plan, tree
+        plan = self._adopt(None)
+        return plan, cut_tree(tree, plan.budget + 1)
 
     def observe(self, plan: RoundPlan, reach_cum, reach_nodes) -> float:
         """Close the round: its seconds since :meth:`plan` and its exit-law labels go to the
-        planner. Returns the seconds."""
+        planner (rank 0's only). Returns the seconds."""
         now = self.clock()
         seconds = now - (self._t0 if self._t0 is not None else now)
         self._t0 = None
-        self.planner.observe(plan, reach_cum, seconds, reach_nodes=reach_nodes)
+        if self.leader:
+            self.planner.observe(plan, reach_cum, seconds, reach_nodes=reach_nodes)
         self.rounds += 1
         return seconds

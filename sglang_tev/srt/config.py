@@ -224,11 +224,8 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
     _env.check_environment(environ)  # an unknown SGLANG_TEV_* name (a typo) stops the launch here
     read_env(environ)
     read_dflash2_mode(environ)
+    _env.get(ENV_BUDGET, environ)  # a bad SGLANG_TEV_BUDGET is refused here, before any write
     device_kind = _device_kind(sa)
-    if _env.get(ENV_BUDGET, environ) == "auto":
-        # under TP every rank would have to adopt rank 0's width (not wired yet)
-        if int(getattr(sa, "tp_size", 1) or 1) > 1:
-            raise ValueError(f"TEV: {ENV_BUDGET}=auto is not supported with --tp-size > 1 yet; unset it or use fixed")
     if int(getattr(sa, "pp_size", 1) or 1) != 1:
         raise ValueError(f"TEV: --pp-size must be 1, got {sa.pp_size}")
     if int(getattr(sa, "attn_dp_size", 1) or 1) > 1 or bool(getattr(sa, "enable_dp_attention", False)):

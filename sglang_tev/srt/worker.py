@@ -222,10 +222,18 @@ class TEVWorker(DFlashWorkerV2):
             # compute_candidates reads the target head from the draft model (SGLang attaches it the
             # same way, dflash_worker_v2.py:911 and :1484-1485)
             self.draft_model.lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
-        # SGLANG_TEV_BUDGET=auto: one tree width per round for the batch (budget.py); fixed: N - 1
-        self._served_budget = (
-            ServedBudget(self.tev.budget, self.block_size) if self.tev.budget_mode == "auto" else None
-        )
+        # SGLANG_TEV_BUDGET=auto: one tree width per round for the batch (budget.py); fixed: N - 1.
+        # Under TP rank 0 decides and every rank adopts its plans (broadcast on the TP CPU group)
+        self._served_budget = None
+        if self.tev.budget_mode == "auto":
+            broadcast = None
+            if int(getattr(server_args, "tp_size", 1) or 1) > 1:
+                from sglang.srt.distributed import get_tp_group
+
+                group = get_tp_group()
+                broadcast = lambda obj: group.broadcast_object(obj, src=0)  # noqa: E731
+            self._served_budget = ServedBudget(self.tev.budget, self.block_size, broadcast=broadcast,
+                                               leader=get_parallel().tp_rank == 0)
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
         self._round_log = (
             RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)

@@ -67,7 +67,7 @@ def _lines(folder, rank=0) -> int:
         return sum(1 for _ in f)
 
 
-def _serve(kwargs, env, prompt_ids, trace_dir):
+def _serve(kwargs, env, prompt_ids, trace_dir, seeded_requests=True):
     """Start one Engine with the round trace on (``sglang_cpu/tp_trace.py``), run every request of
     this module on it, close it (one Engine at a time on 2 cores). Returns the generate results
     ("greedy": one batch; "seeded" and "seeded_again": one request at a time; a seeded request's
@@ -78,11 +78,11 @@ def _serve(kwargs, env, prompt_ids, trace_dir):
     try:
         greedy = eng.generate([prompt_ids[i] for i in GREEDY], greedy_params([MAX_NEW[i] for i in GREEDY]))
         seeded, spans = [], []
-        for i, sp in SEEDED:
+        for i, sp in SEEDED if seeded_requests else ():
             start = _lines(trace_dir)
             seeded.append(eng.generate([prompt_ids[i]], [sp])[0])
             spans.append((start, _lines(trace_dir)))
-        seeded_again = [eng.generate([prompt_ids[i]], [sp])[0] for i, sp in SEEDED]
+        seeded_again = [eng.generate([prompt_ids[i]], [sp])[0] for i, sp in (SEEDED if seeded_requests else ())]
         tp_size = eng.call("server_info").get("tp_size")
     finally:
         eng.close()
@@ -202,3 +202,26 @@ def test_accept_lengths_agree_across_tp_until_a_tree_differs(runs):
         same += sum(u == v for u, v in zip(x, y))
     assert total > 0
     assert same >= 0.5 * total
+
+
+@pytest.fixture(scope="module")
+def auto_tp2(prompt_ids, tmp_path_factory):
+    """TP 2 with ``SGLANG_TEV_BUDGET=auto`` (capacity N = 17): the greedy batch only."""
+    kw = dict(attention_backend="tev_cpu", enable_deterministic_inference=True, tp_size=2)
+    env = dict(TP2_ENV, SGLANG_TEV_BUDGET="auto")
+    return _serve(tev_kwargs(TREE, **kw), env, prompt_ids, tmp_path_factory.mktemp("trace_auto_tp2"), seeded_requests=False)
+
+
+def test_auto_budget_under_tp2_adopts_rank0s_widths_and_keeps_plain_greedy(auto_tp2, prompt_ids, hf_greedy, hf_model):
+    """Load-adaptive trees under TP 2: the width changes from round to round (plain steps, the
+    capacity, cuts) and both ranks run rank 0's width and the same tree in every round (rank 0
+    plans, the other rank adopts over the TP group, ``srt/budget.py``); greedy output is plain
+    decoding's."""
+    trace = auto_tp2["trace"]
+    assert sorted(trace) == [0, 1] and len(trace[0]) == len(trace[1]) > 20
+    for k, (a, b) in enumerate(zip(trace[0], trace[1])):
+        assert a == b, f"round {k}: rank 0 {a} != rank 1 {b}"
+    widths = {len(rec["parents"][0]) for rec in trace[0]}
+    assert 1 in widths and TREE in widths and len(widths) >= 3, widths  # plain steps, the capacity, cuts
+    prompts = [prompt_ids[i] for i in GREEDY]
+    assert_same_ids(ids_of(auto_tp2["greedy"]), hf_greedy, prompts, hf_model, "TEV auto TP 2 vs plain (HF)")

@@ -60,3 +60,63 @@ def test_rounds_calibrate_then_cut_steady_trees_to_a_prefix():
     assert seen[0] == 16 and 0 in seen[:10]  # calibration: the capacity, then plain decoding
     assert set(seen) <= set(budget_grid(16)) and served.rounds == 120
     assert cuts > 0, (seen, served.planner.widths)
+
+
+def test_tp_followers_adopt_rank0s_plans_whatever_their_own_clocks_say():
+    """TP: rank 0 (leader) and rank 1 (follower) run the same rounds in lockstep through a
+    broadcast that hands rank 0's objects to rank 1 (as SGLang's ``broadcast_object``). The
+    follower's clock says every node costs 100x more (the round's fixed part the same), yet it runs rank 0's width every round and
+    cuts its own tree (built from the same draft) exactly as rank 0 cut its. Control: the same
+    follower deciding alone (no broadcast) parts from rank 0."""
+
+    def run(follower_broadcast: bool):
+        clocks = [[0.0], [0.0]]
+        channel = []
+
+        def bcast(rank):
+            def f(obj):
+                if rank == 0:
+                    channel.append(obj)
+                    return obj
+                return channel.pop(0)
+            return f
+
+        leader = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[0][0], broadcast=bcast(0))
+        follower = (
+            ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[1][0], broadcast=bcast(1), leader=False)
+            if follower_broadcast
+            else ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[1][0])
+        )
+        g = torch.Generator().manual_seed(0)
+        widths = []
+        for _ in range(80):
+            logits = torch.randn(2, 7, 20, generator=g) * 3
+            pair = []
+            for rank, served in enumerate((leader, follower)):
+                plan = served.plan(2)
+                tree, drafted = root_only_tree(torch.tensor([1, 2])), None
+                if plan.budget:
+                    tree, drafted = build_ddtree(logits, plan.budget, torch.tensor([1, 2])), logits
+                    plan, tree = served.refine(plan, tree, drafted, [0.0, 1.0])
+                n = tree.num_nodes
+                reach = [[1.0] + [0.8 ** i for i in range(1, n)] for _ in range(2)]
+                cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
+                clocks[rank][0] += 0.001 + 0.0001 * n * (1 if rank == 0 else 100)
+                served.observe(plan, cum, reach if drafted is not None else None)
+                pair.append((plan, tree))
+            widths.append((pair[0][1].num_nodes, pair[1][1].num_nodes))
+            if follower_broadcast:
+                (p0, t0), (p1, t1) = pair
+                assert p1 == p0 and torch.equal(t1.tokens, t0.tokens) and torch.equal(t1.parents, t0.parents)
+        return widths, follower
+
+    widths, follower = run(True)
+    assert all(a == b for a, b in widths) and len({a for a, _ in widths}) > 2  # widths changed, in step
+    assert follower.rounds == 80
+    alone, _ = run(False)
+    assert any(a != b for a, b in alone), alone  # without adoption the ranks would part
+
+
+def test_a_follower_needs_a_broadcast():
+    with pytest.raises(ValueError, match="broadcast"):
+        ServedBudget(16, 8, leader=False)

@@ -135,6 +135,9 @@ def test_auto_budget_runs_the_decode_eagerly_and_reaches_the_worker(caplog):
     sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
     assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={}).budget_mode == "fixed"
     assert sa.cuda_graph_config.decode.backend == "full"
+    # TP > 1 is served (rank 0 plans, every rank adopts: srt/budget.py)
+    sa = args(attention_backend="triton", tp_size=2, cuda_graph_config=_GraphConfig())
+    assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env).budget_mode == "auto"
 
 
 def test_env_settings():
@@ -172,7 +175,6 @@ def test_env_settings():
         (dict(), {"SGLANG_TEV_VERIFIER": "greedy"}, "SGLANG_TEV_VERIFIER"),
         (dict(), {"SGLANG_TEV_TOPK": "-1"}, "SGLANG_TEV_TOPK"),
         (dict(), {"SGLANG_TEV_BUDGET": "ragged"}, "SGLANG_TEV_BUDGET"),
-        (dict(tp_size=2), {"SGLANG_TEV_BUDGET": "auto"}, r"SGLANG_TEV_BUDGET=auto is not supported with --tp-size > 1"),
     ],
 )
 def test_bad_settings_raise_one_clear_error(kw, env, match):
