@@ -35,8 +35,9 @@ def test_readme_test_command_is_one_command_that_ci_runs_and_names_what_enables_
     assert 'pip install -e ".[test,sglang]"' in script  # the sglang extra: plugin tests run, not skip
     assert 'pip install --no-deps "dflash==0.1.0"' in script
     assert "export SGLANG_TEV_REQUIRE_SGLANG=1" in script
-    # -q dropped by commands(); the whole suite without arguments (FAST is empty unless --fast)
-    assert script[-1] == 'python -m pytest "${FAST[@]}" "$@"' and "FAST=()" in script
+    # -q dropped by commands(); the whole suite without arguments (FAST is empty unless --fast);
+    # --durations only prints the slowest tests (CI's time budget is read from it)
+    assert script[-1] == 'python -m pytest --durations=25 "${FAST[@]}" "$@"' and "FAST=()" in script
     text = (ROOT / "scripts" / "run_tests.sh").read_text()
     assert '--fast) FAST=(-m "not slow"); INSTALL=0' in text  # --fast: the inner loop, no install
     assert "-q" in (ROOT / "scripts" / "run_tests.sh").read_text().splitlines()[-1]
