@@ -4,8 +4,8 @@
 One process, the generator loaded once; every configuration is warmed up once (untimed; auto's
 controller and cost table then carry over, as in a server or a long session), then ``--runs``
 interleaved sweeps time each configuration in turn (same minute, in an order shuffled per sweep), and the median tokens/s per
-configuration is reported with the budgets auto chose. Batch 1: the README's prompt. Batch 8:
-the first 8 HumanEval prompts decoded as one batch.
+configuration is reported with the budgets auto chose. Batch 1: the README's prompt. Batch b > 1:
+the first b HumanEval prompts decoded as one batch.
 
     python benchmarks/auto_budget.py --out benchmarks/results/auto-budget-cpu.json
 """
@@ -46,10 +46,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.from_pretrained()
     readme = "def fibonacci(n):"
-    he = [x.text if hasattr(x, "text") else x for x in load_prompts("humaneval")][:8]
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    he = [x.text if hasattr(x, "text") else x for x in load_prompts("humaneval")][:max(sizes)]
     budgets = ["plain"] + [b if b == "auto" else int(b) for b in args.budgets.split(",")]
     rows = []
-    for bs in [int(x) for x in args.batch_sizes.split(",")]:
+    for bs in sizes:
         prompts = [readme] if bs == 1 else he[:bs]
         for t in [float(x) for x in args.temperatures.split(",")]:
             sp = SamplingParams(temperature=t)
