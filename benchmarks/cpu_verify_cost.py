@@ -30,16 +30,6 @@ import time
 from pathlib import Path
 
 
-def cpu_bf16_flags() -> list[str]:
-    """The CPU's native-bf16 flags from ``/proc/cpuinfo`` (empty: none, or not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted(x for x in flags if x in ("avx512_bf16", "amx_bf16", "amx_tile"))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,17,33,65", help="comma list of M (new tokens per forward)")
@@ -87,15 +77,14 @@ def main(argv=None) -> int:
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info("cpu_model", "cpu_count", "platform", "python", "torch", "transformers"),
-        "cpu_bf16_flags": cpu_bf16_flags(),
+        "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers"),
         "threads": args.threads, "context": args.context, "repeats": args.repeats, "rows": rows,
     }
     if args.output:
         from sglang_tev.atomic import atomic_write
 
         atomic_write(args.output, json.dumps(result, indent=1))
-    print(f"CPU bf16 flags: {result['cpu_bf16_flags'] or 'none'}; {args.threads} thread(s), {args.context}-token context")
+    print(f"CPU bf16 flags: {result['machine']['cpu_bf16'] or 'none'}; {args.threads} thread(s), {args.context}-token context")
     print(f"{'dtype':>9} " + " ".join(f"{'M=' + str(m):>16}" for m in tokens))
     for dtype, r in rows.items():
         print(f"{dtype:>9} " + " ".join(f"{r['ms'][m]:7.1f} ms ({r['x_one_token'][m]:4.1f}x)" for m in tokens))

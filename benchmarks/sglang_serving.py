@@ -72,20 +72,6 @@ def write_dataset(path: Path) -> int:
     return len(rows)
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (``avx512_bf16`` or ``amx_bf16`` in
-    ``/proc/cpuinfo``). Without it (e.g. an AVX2-only EPYC) a bf16 verify forward of M tokens costs
-    far more than M = 1 relative to fp32 (``docs/benchmarks.md``, "Why the CPU servers' ratios
-    depend on the CPU"), so speculative modes lose to plain decoding for a reason a GPU does not
-    share. The servers stay bf16: SGLang 0.5.23's DFlash draft path fails in float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def start(mode: str):
     from sglang_tev.testing.sglang_cpu import hosts
 
@@ -202,12 +188,13 @@ def main(argv=None) -> int:
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info("cpu_model", "cpu_count", "platform", "python", "torch", "transformers"),
+        # cpu_bf16 empty: no native bf16, so a bf16 verify forward of M tokens costs far more than
+        # on a GPU and the speculative modes' ratios here understate them (docs/benchmarks.md)
+        "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers"),
         "sglang": __import__("sglang").__version__,
-        "cpu_native_bf16": cpu_has_native_bf16(),
         "modes": modes, "output_len": args.output_len, "runs": [], "start_seconds": {}, "table": [],
     }
-    if not result["cpu_native_bf16"]:
+    if not result["machine"]["cpu_bf16"]:
         print("warning: this CPU has no native bf16 (no avx512_bf16 / amx_bf16): a bf16 verify forward of "
               "M tokens costs far more than on a GPU, so speculative modes' ratios here understate them",
               file=sys.stderr)

@@ -15,6 +15,9 @@ Fields (:data:`FIELDS`):
   ``cpu``: the processor, else the architecture; ``cpu_model``: the ``model name`` of
   ``/proc/cpuinfo``, else ``cpu``
 - ``cpu_count``: ``os.cpu_count()``; ``load_average``: ``os.getloadavg()``
+- ``cpu_bf16``: the CPU's native-bf16 flags in ``/proc/cpuinfo`` (``avx512_bf16``, ``amx_bf16``),
+  sorted; empty where it has none (then bf16 GEMMs run through conversions: a bf16 verify forward
+  of M tokens costs far more than one of 1, ``docs/benchmarks.md``) or where there is no cpuinfo
 - ``python``: the Python version
 - ``torch``, ``transformers``: versions; ``torch_threads``: ``torch.get_num_threads()``;
   ``gpu``: the name of CUDA device 0, or None without CUDA; ``cuda_version``: ``torch.version.cuda``
@@ -26,7 +29,7 @@ import os
 import platform
 from typing import Any, Callable
 
-__all__ = ["FIELDS", "machine_info", "proc_cpu_model"]
+__all__ = ["FIELDS", "machine_info", "proc_cpu_model", "cpu_bf16_flags"]
 
 
 def proc_cpu_model() -> str | None:
@@ -39,6 +42,17 @@ def proc_cpu_model() -> str | None:
     except OSError:
         pass
     return None
+
+
+def cpu_bf16_flags() -> list[str]:
+    """The native-bf16 flags (``avx512_bf16``, ``amx_bf16``) of ``/proc/cpuinfo``'s first
+    ``flags`` line, sorted; ``[]`` where it has none or there is no cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted(x for x in flags if x in ("avx512_bf16", "amx_bf16"))
 
 
 def _cpu() -> str:
@@ -71,6 +85,7 @@ FIELDS: dict[str, Callable[[], Any]] = {
     "cpu": _cpu,
     "cpu_model": lambda: proc_cpu_model() or _cpu(),
     "cpu_count": os.cpu_count,
+    "cpu_bf16": cpu_bf16_flags,
     "load_average": os.getloadavg,
     "python": platform.python_version,
     "torch": lambda: _torch().__version__,
