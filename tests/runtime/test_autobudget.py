@@ -86,6 +86,16 @@ def test_cost_table_median_line_neighbours_and_json(tmp_path):
     assert t.cost(4, 16) == pytest.approx(0.012 + (0.020 - 0.012) * 8 / 24)  # the line in 1 + B
     assert t.cost(4, 0) is None  # plain decoding is never extrapolated
     assert t.cost(2, 32) == pytest.approx(0.020)  # the nearest batch size that has one
+    # with plain rounds timed on both sides a tree's cost is lent as a ratio to plain decoding:
+    # batch 16's plain round costs 0.030 s, batch 4's 0.010 s; batch 4's tree of 8 (0.012 s) must
+    # not read as cheaper than batch 16's plain round
+    for s in (0.010, 0.010):
+        t.record(4, 0, s)
+    for s in (0.030, 0.030):
+        t.record(16, 0, s)
+    assert t.cost(16, 8) == pytest.approx(0.030 * 0.012 / 0.010) and t.cost(16, 8) > t.cost(16, 0)
+    assert t.cost(16, 32) == pytest.approx(0.030 * 0.020 / 0.010)
+    assert t.cost(2, 32) == pytest.approx(0.020)  # no plain round at batch 2: the lender's seconds
     assert CostTable().cost(1, 8) is None
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"cost_table": t.to_json()}))
