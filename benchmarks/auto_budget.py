@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     from sglang_tev.machine import machine_info
     meta = {"command": " ".join([sys.executable, *sys.argv]),
             **machine_info(machine="cpu", cores="cpu_count", threads="torch_threads", torch="torch",
-                           transformers="transformers"),
+                           transformers="transformers", cpu_model="cpu_model", cpu_bf16="cpu_bf16"),
             "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

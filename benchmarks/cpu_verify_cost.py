@@ -33,8 +33,8 @@ from pathlib import Path
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,17,33,65", help="comma list of M (new tokens per forward)")
-    ap.add_argument("--repeats", type=int, default=12)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=12, help="forwards timed per M; the median is kept (>= 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU servers run one)")
     ap.add_argument("--context", type=int, default=200, help="cached tokens before the M new ones")
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -44,8 +44,18 @@ def main(argv=None) -> int:
         ap.error(f"argument --tokens: not a comma list of integers: {args.tokens!r}")
     if not tokens or min(tokens) < 1 or 1 not in tokens:
         ap.error("argument --tokens: positive integers, including 1 (the ratios are to M = 1)")
+    tokens = sorted(set(tokens))
     if args.repeats < 3:
         ap.error("argument --repeats: at least 3 (a median)")
+    if args.threads < 1:
+        ap.error(f"argument --threads: at least 1, got {args.threads}")
+    if args.context < 1:
+        ap.error(f"argument --context: at least 1 cached token, got {args.context}")
+    if args.output is not None:  # refused before minutes of measuring, not after
+        try:
+            args.output.resolve().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"argument --output: cannot create the folder of {args.output} ({e})")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -55,6 +65,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     target = Path(ASSETS_DIR) / "target"
+    limit = json.loads((target / "config.json").read_text()).get("max_position_embeddings")
+    if limit and args.context + max(tokens) > limit:
+        ap.error(f"argument --context: {args.context} + {max(tokens)} new tokens exceeds the target's {limit} positions")
     gen = torch.Generator().manual_seed(0)
     rows = {}
     for dtype in ("float32", "bfloat16"):
@@ -80,14 +93,14 @@ def main(argv=None) -> int:
         "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers"),
         "threads": args.threads, "context": args.context, "repeats": args.repeats, "rows": rows,
     }
-    if args.output:
-        from sglang_tev.atomic import atomic_write
-
-        atomic_write(args.output, json.dumps(result, indent=1))
     print(f"CPU bf16 flags: {result['machine']['cpu_bf16'] or 'none'}; {args.threads} thread(s), {args.context}-token context")
     print(f"{'dtype':>9} " + " ".join(f"{'M=' + str(m):>16}" for m in tokens))
     for dtype, r in rows.items():
         print(f"{dtype:>9} " + " ".join(f"{r['ms'][m]:7.1f} ms ({r['x_one_token'][m]:4.1f}x)" for m in tokens))
+    if args.output:
+        from sglang_tev.atomic import atomic_write
+
+        atomic_write(args.output, json.dumps(result, indent=1))
     return 0
 
 

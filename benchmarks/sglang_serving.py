@@ -1,5 +1,6 @@
 """SGLang's own serving benchmark against CPU servers: plain decoding, SGLang's DFLASH, TEV with a
-fixed tree (N = 17, 65) and TEV load-adaptive (``SGLANG_TEV_BUDGET=auto``, capacity 65).
+fixed tree (N = 17, 65) and TEV load-adaptive (``SGLANG_TEV_BUDGET=auto``, capacity 65; ``auto17``:
+capacity 17).
 
 One HTTP server per mode, all started first and kept up (``python -m
 sglang_tev.testing.sglang_cpu.serve``: ``sglang.launch_server`` with the CPU harness, the shipped
@@ -50,11 +51,17 @@ MODES = {
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of numbers: {text!r}") from None
 
 
 def write_dataset(path: Path) -> int:
@@ -167,17 +174,36 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(8, 2 x concurrency))")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", type=Path, default=Path("benchmarks/results/sglang-serving-cpu.json"))
+    ap.add_argument("--output", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sglang-serving-cpu.json")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
+    if not modes:
+        ap.error(f"--modes: none given; known: {', '.join(MODES)}")
+    if bad:
         ap.error(f"--modes: unknown {bad}; known: {', '.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        ap.error(f"--modes: each mode once (one server per mode), got {modes}")
     if "plain" not in modes:
         ap.error("--modes must include plain (the ratios are to plain decoding)")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    # everything that can be refused is refused here, before any server starts (minutes)
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error(f"--concurrency: a comma list of integers >= 1, got {args.concurrency}")
+    if not args.temperatures or min(args.temperatures) < 0:
+        ap.error(f"--temperatures: a comma list of numbers >= 0, got {args.temperatures}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.output_len < 1:
+        ap.error(f"--output-len must be at least 1, got {args.output_len}")
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        if path is not None:
+            try:
+                path.resolve().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                ap.error(f"{flag}: cannot create the folder of {path} ({e})")
 
     from sglang_tev.atomic import atomic_write
     from sglang_tev.machine import machine_info

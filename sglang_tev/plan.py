@@ -279,8 +279,9 @@ def cut_tree(tree, n: int):
     """
     from .tree import DraftTree
 
-    if int(n) < 1:
-        raise ValueError(f"n must be at least 1 (the root), got {n!r}")
+    if isinstance(n, bool) or int(n) != n or n < 1:
+        raise ValueError(f"n must be an integer of at least 1 (the root), got {n!r}")
+    n = int(n)
     if n >= tree.num_nodes:
         return tree
     return DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
