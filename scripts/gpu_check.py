@@ -32,7 +32,9 @@ traceback in the log) and the script goes on.
    the shipped trained tiny-code pair (real acceptance): greedy output equal to plain HF greedy
    decoding (``sglang_tev.testing.models.plain_greedy``), eager and ``cuda_graphs=True`` each, batch 1 and
    4 (ragged prompts), graphs output equal to eager (and no capture fell back to eager); a
-   sampled batch (T = 1, top-p 0.9) runs to length in both modes.
+   sampled batch (T = 1, top-p 0.9) runs to length in both modes; ``budget="auto"`` (eager)
+   greedy equal to plain, with the budgets it chose and its tokens/s against
+   ``method="autoregressive"`` recorded (no bar: the planner's first GPU figures).
 3. ``timing``: verifier decision latency (tev-triton, tev torch, predraw, sequential, greedy) at
    V = 151936, batch 1, B in {64, 32, 128}, T in {0.6, 1.0}, bf16 logits, each call captured in a
    CUDA graph and timed with CUDA events over replays (``benchmarks/verifier.py``); the round on
@@ -329,6 +331,8 @@ def runtime_checks(cfg: dict) -> list[Check]:
                 out.append(Check(f"runtime/{pair}/b{b}/{mode}=plain", partial(_runtime_greedy, cfg=cfg, pair=pair,
                                                                               batch=b, mode=mode), est_s=15))
             out.append(Check(f"runtime/{pair}/b{b}/graphs=eager", partial(_runtime_same, pair=pair, batch=b), est_s=1))
+            out.append(Check(f"runtime/{pair}/b{b}/auto=plain", partial(_runtime_auto, cfg=cfg, pair=pair, batch=b),
+                             est_s=20))
         out.append(Check(f"runtime/{pair}/b{max(cfg['runtime_batches'])}/sampled",
                          partial(_runtime_sampled, cfg=cfg, pair=pair), est_s=15))
     return out
@@ -419,6 +423,46 @@ def _runtime_greedy(ctx, rec, cfg, pair, batch, mode):
         fails.append(f"CUDA-graph capture did not hold: {stats}")
     return dict(ok=not fails, why="; ".join(fails) or None, tokens=n, tau=[round(r.tau, 3) for r in res],
                 rounds=[len(r.rounds) for r in res], graph_stats=stats, options=mode_options(mode, _device()))
+
+
+def _runtime_auto(ctx, rec, cfg, pair, batch):
+    """``budget="auto"`` (eager mode: auto turns CUDA graphs off per width): greedy output equals
+    plain greedy; recorded beside it, the budgets auto chose and its tokens/s against
+    ``method="autoregressive"`` on the same rows (one warm-up call each, then one timed call each;
+    informational, no bar: the first GPU figures of issue 37's planner)."""
+    import time
+    from collections import Counter
+
+    import torch
+
+    from sglang_tev.testing.models import plain_greedy
+
+    m = ctx[pair]
+    n = cfg["runtime_new_tokens"]
+    prompts = m["prompts"][:batch]
+    for i, p in enumerate(prompts):
+        if i not in m["plain"]:
+            m["plain"][i] = plain_greedy(m["target"], p, n)
+    gen = _generator(ctx, pair, "eager")
+    arg = prompts if batch > 1 else prompts[0]
+    seconds = {}
+    for method, kw in (("autoregressive", {}), ("tev", {"budget": "auto"})):
+        gen.generate(arg, method=method, max_new_tokens=n, ignore_eos=True, **kw)  # warm-up (shapes, controller)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = gen.generate(arg, method=method, max_new_tokens=n, ignore_eos=True, **kw)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds[method] = time.perf_counter() - t0
+    res = res if isinstance(res, list) else [res]
+    fails = [f"row {i} differs from plain greedy" for i, r in enumerate(res) if r.token_ids != m["plain"][i]]
+    budgets = Counter(rd.budget for r in res for rd in r.rounds)
+    tokens = sum(len(r.token_ids) for r in res)
+    return dict(ok=not fails, why="; ".join(fails) or None, tau=[round(r.tau, 3) for r in res],
+                budgets={str(b): c for b, c in sorted(budgets.items(), key=lambda x: (x[0] is None, x[0] or 0))},
+                auto_tok_s=round(tokens / seconds["tev"], 1), autoregressive_tok_s=round(tokens / seconds["autoregressive"], 1),
+                auto_x_plain=round(seconds["autoregressive"] / seconds["tev"], 3))
 
 
 def _gap_note(model, prompt, ref, j) -> str:

@@ -67,6 +67,8 @@ def test_dry_run_runs_every_step_and_records_every_check(tmp_path):
         assert max(max(d["accept_lens_seen"]) for d in eq) >= 2
         assert 0 < checks["triton/chi2/T1"]["detail"]["pvalue"] <= 1
     assert max(checks["runtime/tiny-code/b4/eager=plain"]["detail"]["tau"]) >= 2.0
+    auto = checks["runtime/tiny-code/b4/auto=plain"]["detail"]  # budget auto: greedy = plain, speed recorded
+    assert sum(auto["budgets"].values()) > 0 and auto["auto_x_plain"] > 0 and auto["auto_tok_s"] > 0
     assert checks["runtime/random/b4/graphs=plain"]["detail"]["options"] == {"static_shapes": True}
     # every planned figure was measured (tev-triton needs Triton)
     figs = {r["name"]: r for r in recs if r["type"] == "figure"}
