@@ -46,6 +46,7 @@ _ACCUMULATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_req
 _installed = False
 
 logger = logging.getLogger(__name__)
+_MAX_UNREAD = 2  # rounds a log line may wait for (the newest one or two are in flight under overlap)
 
 
 def align_round_values(req) -> None:
@@ -163,7 +164,9 @@ class RoundLog:
         values = [[col.peek() for col in (r[k] for k in META_INFO_KEYS)] for r in self._pending]
         read = [i for i, v in enumerate(values) if all(col is not None for col in v)]
         last = read[-1] if read else -1
-        self._pending = self._pending[last + 1 :]  # unread rounds after the newest read one wait
+        # unread rounds after the newest read one wait (in flight under overlap: one or two), at
+        # most _MAX_UNREAD of them, so a server whose rounds are never read keeps no growing list
+        self._pending = self._pending[last + 1 :][-_MAX_UNREAD:]
         ready = [values[i] for i in read]
         if not ready:
             return None

@@ -205,5 +205,8 @@ def test_round_log_lines(caplog):
         "TEV: 2 rounds, 2 request-rounds: mean budget 18.0, accept length 3.00, exit depth 2.00, coverage 2.50"
     )
     assert rl.emit() is None  # nothing pending
+    for _ in range(50):  # rounds nobody reads: no line, and no growing backlog
+        rl.record(round_([1], [0], [1.0], [4], read=False))
+    assert len(rl._pending) <= 2 and rl.emit() is None
     with pytest.raises(ValueError, match="interval"):
         RoundLog(0)
