@@ -399,7 +399,9 @@ def _generator(ctx, pair, mode):
     return ctx[key]
 
 
-def _runtime_greedy(ctx, rec, cfg, pair, batch, mode):
+def _plain_refs(ctx, cfg, pair, batch):
+    """(the pair's context, new tokens, the first ``batch`` prompts), with plain HF greedy
+    decoding of each prompt computed once into ``ctx[pair]["plain"]``."""
     from sglang_tev.testing.models import plain_greedy
 
     m = ctx[pair]
@@ -408,6 +410,11 @@ def _runtime_greedy(ctx, rec, cfg, pair, batch, mode):
     for i, p in enumerate(prompts):
         if i not in m["plain"]:
             m["plain"][i] = plain_greedy(m["target"], p, n)
+    return m, n, prompts
+
+
+def _runtime_greedy(ctx, rec, cfg, pair, batch, mode):
+    m, n, prompts = _plain_refs(ctx, cfg, pair, batch)
     gen = _generator(ctx, pair, mode)
     res = gen.generate(prompts if batch > 1 else prompts[0], method="tev", budget=cfg["runtime_budget"],
                        max_new_tokens=n, ignore_eos=True)
@@ -426,23 +433,16 @@ def _runtime_greedy(ctx, rec, cfg, pair, batch, mode):
 
 
 def _runtime_auto(ctx, rec, cfg, pair, batch):
-    """``budget="auto"`` (eager mode: auto turns CUDA graphs off per width): greedy output equals
-    plain greedy; recorded beside it, the budgets auto chose and its tokens/s against
-    ``method="autoregressive"`` on the same rows (one warm-up call each, then one timed call each;
-    informational, no bar: the first GPU figures of issue 37's planner)."""
+    """``budget="auto"`` in the eager mode: greedy output equals plain greedy; recorded beside it,
+    the budgets auto chose and its tokens/s against ``method="autoregressive"`` on the same rows
+    (one warm-up call each, then one timed call each; informational, no bar: the first GPU figures
+    of issue 37's planner)."""
     import time
     from collections import Counter
 
     import torch
 
-    from sglang_tev.testing.models import plain_greedy
-
-    m = ctx[pair]
-    n = cfg["runtime_new_tokens"]
-    prompts = m["prompts"][:batch]
-    for i, p in enumerate(prompts):
-        if i not in m["plain"]:
-            m["plain"][i] = plain_greedy(m["target"], p, n)
+    m, n, prompts = _plain_refs(ctx, cfg, pair, batch)
     gen = _generator(ctx, pair, "eager")
     arg = prompts if batch > 1 else prompts[0]
     seconds = {}
