@@ -176,20 +176,21 @@ class CostTable:
         extrapolated (it has no draft); a tree budget from the monotone fit over this batch
         size's measured tree budgets (one measured budget: that one only). A batch size with
         nothing for ``budget`` borrows from the nearest batch size n that has it (a batch that
-        shrinks as rows finish needs no new calibration): where both have a plain round, the
-        lender's ratio to its plain round times this batch size's plain round (seconds from
-        another batch size would be on another scale: a tree of 8 rows read as cheaper than a
-        plain round of 32); else the lender's seconds. None when nothing applies."""
+        shrinks as rows finish needs no new calibration): where the lender has a plain round, its
+        ratio to it times this batch size's plain round, its own or lent (seconds from another
+        batch size would be on another scale: a tree of 8 rows read as cheaper than a plain
+        round of 32); else the lender's seconds. None when nothing applies."""
         key = (batch, budget)
         if key not in self._memo:  # asked ~10 times a round; the table changes once a round
-            own = batch in self.seconds
-            c = self._at(batch, budget) if own else None
+            c = self._at(batch, budget) if batch in self.seconds else None
             if c is None:  # the nearest batch size that has it
                 n, c = next(((b, c) for b in sorted(self.seconds, key=lambda x: (abs(x - batch), x))
                              if b != batch and (c := self._at(b, budget)) is not None), (None, None))
-                plain, lender_plain = (self._at(batch, 0) if own else None), (self._at(n, 0) if n is not None else None)
-                if c is not None and budget > 0 and plain and lender_plain:
-                    c = plain * c / lender_plain
+                if c is not None and budget > 0:
+                    # this batch size's plain round, its own or lent (budget 0: no recursion here)
+                    plain, lender_plain = self.cost(batch, 0), self._at(n, 0)
+                    if plain and lender_plain:
+                        c = plain * c / lender_plain
             self._memo[key] = c
         return self._memo[key]
 

@@ -95,7 +95,11 @@ def test_cost_table_median_line_neighbours_and_json(tmp_path):
         t.record(16, 0, s)
     assert t.cost(16, 8) == pytest.approx(0.030 * 0.012 / 0.010) and t.cost(16, 8) > t.cost(16, 0)
     assert t.cost(16, 32) == pytest.approx(0.030 * 0.020 / 0.010)
-    assert t.cost(2, 32) == pytest.approx(0.020)  # no plain round at batch 2: the lender's seconds
+    # batch 2 has no plain round of its own: its plain round is lent (batch 4's) and the tree
+    # keeps its ratio to it; batch 32 borrows plain from 16 and the tree from 16's ratio too
+    assert t.cost(2, 0) == pytest.approx(0.010) and t.cost(2, 32) == pytest.approx(0.020)
+    assert t.cost(32, 0) == pytest.approx(0.030) and t.cost(32, 8) == pytest.approx(0.036) and t.cost(32, 8) > t.cost(32, 0)
+    assert t.cost(100, 8) > t.cost(100, 0)  # never cheaper than the plain round it is measured against
     assert CostTable().cost(1, 8) is None
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"cost_table": t.to_json()}))
