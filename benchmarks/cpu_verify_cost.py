@@ -6,7 +6,7 @@ for the shipped tiny pair up to M in the tens; on a CPU without native bf16 (e.g
 EPYC) oneDNN runs bf16 GEMMs through conversions and the cost grows with M far faster than in
 fp32, so every speculative mode of a bf16 CPU server loses to plain decoding for a reason a GPU
 does not share. This script measures it with the shipped target in HF transformers: the median
-wall time of one forward of M new tokens after a 200-token cached context, one thread (the CPU
+wall time of one forward of M new tokens after a cached context (``--context``, default 200 tokens), one thread (the CPU
 servers run with ``OMP_NUM_THREADS=1``).
 
 Usage (from the repository root, on a quiet machine)::
@@ -52,10 +52,12 @@ def main(argv=None) -> int:
     if args.context < 1:
         ap.error(f"argument --context: at least 1 cached token, got {args.context}")
     if args.output is not None:  # refused before minutes of measuring, not after
+        from sglang_tev.atomic import check_writable_file
+
         try:
-            args.output.resolve().parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            ap.error(f"argument --output: cannot create the folder of {args.output} ({e})")
+            check_writable_file(args.output)
+        except ValueError as e:
+            ap.error(f"argument --output: {e}")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
                 x = torch.randint(0, vocab, (1, m), generator=gen)
                 times = []
                 for _ in range(args.repeats):
-                    kv = copy.deepcopy(cache)  # every forward sees the same 200-token context
+                    kv = copy.deepcopy(cache)  # every forward sees the same cached context
                     t0 = time.perf_counter()
                     model(x, past_key_values=kv, use_cache=True)
                     times.append(time.perf_counter() - t0)
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers"),
-        "threads": args.threads, "context": args.context, "repeats": args.repeats, "rows": rows,
+        "threads": args.threads, "context": args.context, "repeats": args.repeats, "tokens": tokens, "rows": rows,
     }
     print(f"CPU bf16 flags: {result['machine']['cpu_bf16'] or 'none'}; {args.threads} thread(s), {args.context}-token context")
     print(f"{'dtype':>9} " + " ".join(f"{'M=' + str(m):>16}" for m in tokens))

@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -192,18 +194,20 @@ def main(argv=None) -> int:
     # everything that can be refused is refused here, before any server starts (minutes)
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error(f"--concurrency: a comma list of integers >= 1, got {args.concurrency}")
-    if not args.temperatures or min(args.temperatures) < 0:
-        ap.error(f"--temperatures: a comma list of numbers >= 0, got {args.temperatures}")
+    if not args.temperatures or not all(math.isfinite(t) and t >= 0 for t in args.temperatures):
+        ap.error(f"--temperatures: a comma list of finite numbers >= 0, got {args.temperatures}")
     if args.num_prompts is not None and args.num_prompts < 1:
         ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if args.output_len < 1:
         ap.error(f"--output-len must be at least 1, got {args.output_len}")
+    from sglang_tev.atomic import check_writable_file
+
     for flag, path in (("--output", args.output), ("--plot", args.plot)):
         if path is not None:
             try:
-                path.resolve().parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                ap.error(f"{flag}: cannot create the folder of {path} ({e})")
+                check_writable_file(path)
+            except ValueError as e:
+                ap.error(f"{flag}: {e}")
 
     from sglang_tev.atomic import atomic_write
     from sglang_tev.machine import machine_info
@@ -249,6 +253,7 @@ def main(argv=None) -> int:
     finally:
         for h in hosts.values():
             h.close() if hasattr(h, "close") else h.proc.terminate()
+        shutil.rmtree(work, ignore_errors=True)
     if args.plot:
         plot(result, args.plot)
     print(f"{'c':>3} {'T':>3} " + " ".join(f"{m:>16}" for m in modes))

@@ -29,7 +29,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
-__all__ = ["fsync_dir", "fsync_file", "atomic_path", "atomic_write", "atomic_dir", "publish_dir"]
+__all__ = ["fsync_dir", "fsync_file", "atomic_path", "atomic_write", "atomic_dir", "publish_dir", "check_writable_file"]
+
+
+def check_writable_file(path: str | os.PathLike) -> Path:
+    """Make sure :func:`atomic_write` can publish a file at ``path`` later: the parent folder is
+    created, ``path`` is not a directory, and a temporary file can be created and removed beside
+    it. For commands that measure for minutes before they write.
+
+    Returns:
+        ``path`` as an absolute :class:`~pathlib.Path`.
+    Raises:
+        ValueError saying why (the caller names its argument); nothing is left behind.
+    """
+    p = Path(path).expanduser().resolve()
+    if p.is_dir():
+        raise ValueError(f"{path} is a directory, not a file")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ValueError(f"cannot write beside {path} ({e})") from None
+    return p
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
