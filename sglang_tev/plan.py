@@ -20,6 +20,7 @@ Torch-free: plans are host data, made before any device work of the round.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
@@ -279,7 +280,7 @@ def cut_tree(tree, n: int):
     """
     from .tree import DraftTree
 
-    if isinstance(n, bool) or int(n) != n or n < 1:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"n must be an integer of at least 1 (the root), got {n!r}")
     n = int(n)
     if n >= tree.num_nodes:

@@ -1,0 +1,31 @@
+"""``sglang_tev.plan.cut_tree``: the first n nodes of a best-first tree are its budget n - 1 tree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_tev import build_ddtree
+from sglang_tev.plan import cut_tree
+
+
+def test_a_cut_is_the_smaller_budgets_tree():
+    logits = torch.randn(2, 7, 20, generator=torch.Generator().manual_seed(0)) * 3
+    roots = torch.tensor([1, 2])
+    full = build_ddtree(logits, 16, roots)
+    for n in (1, 3, 9):
+        cut, small = cut_tree(full, n), build_ddtree(logits, n - 1, roots) if n > 1 else None
+        assert cut.num_nodes == n
+        assert torch.equal(cut.tokens, full.tokens[:, :n]) and torch.equal(cut.parents, full.parents[:, :n])
+        if small is not None:  # best-first: the prefix is what a smaller budget builds
+            assert torch.equal(cut.tokens, small.tokens) and torch.equal(cut.parents, small.parents)
+    assert cut_tree(full, 17) is full and cut_tree(full, 100) is full
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None, math.inf, math.nan, "3"])
+def test_a_bad_n_is_one_clear_error(bad):
+    tree = build_ddtree(torch.randn(1, 7, 20), 8, torch.tensor([1]))
+    with pytest.raises(ValueError, match="n must be an integer"):
+        cut_tree(tree, bad)
