@@ -155,7 +155,7 @@ class CostTable:
     def set(self, batch: int, budget: int, seconds: float, count: int = 1) -> None:
         """Set a pair's cost outright (``sglang-tev tune``: a median over whole timed runs).
         Raises ``ValueError`` naming ``seconds`` unless it is a finite number > 0."""
-        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+        if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
         self._memo.clear()
         self._recent[(batch, budget)] = [float(seconds)]

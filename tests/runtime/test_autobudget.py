@@ -100,6 +100,10 @@ def test_cost_table_median_line_neighbours_and_json(tmp_path):
     assert t.cost(2, 0) == pytest.approx(0.010) and t.cost(2, 32) == pytest.approx(0.020)
     assert t.cost(32, 0) == pytest.approx(0.030) and t.cost(32, 8) == pytest.approx(0.036) and t.cost(32, 8) > t.cost(32, 0)
     assert t.cost(100, 8) > t.cost(100, 0)  # never cheaper than the plain round it is measured against
+    for bad in (True, 0, -1.0, float("nan"), float("inf"), "0.1"):  # set() takes seconds > 0 only
+        with pytest.raises(ValueError, match="seconds"):
+            t.set(4, 8, bad)
+    assert t.cost(4, 8) == pytest.approx(0.012)  # untouched by the refusals
     assert CostTable().cost(1, 8) is None
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"cost_table": t.to_json()}))
