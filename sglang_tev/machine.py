@@ -32,26 +32,28 @@ from typing import Any, Callable
 __all__ = ["FIELDS", "machine_info", "proc_cpu_model", "cpu_bf16_flags"]
 
 
-def proc_cpu_model() -> str | None:
-    """The ``model name`` line of ``/proc/cpuinfo``, or None where there is none."""
+def _cpuinfo_value(key: str) -> str | None:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (after its colon, stripped), or
+    None where there is no such line or no cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key) and ":" in line:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return None
 
 
+def proc_cpu_model() -> str | None:
+    """The ``model name`` line of ``/proc/cpuinfo``, or None where there is none."""
+    return _cpuinfo_value("model name")
+
+
 def cpu_bf16_flags() -> list[str]:
     """The native-bf16 flags (``avx512_bf16``, ``amx_bf16``) of ``/proc/cpuinfo``'s first
     ``flags`` line, sorted; ``[]`` where it has none or there is no cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
+    flags = (_cpuinfo_value("flags") or "").split()
     return sorted(x for x in flags if x in ("avx512_bf16", "amx_bf16"))
 
 

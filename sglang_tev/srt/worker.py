@@ -148,7 +148,7 @@ class RoundColumn:
 
 def round_info_to_host(
     commit_lens: torch.Tensor, exit_depth: torch.Tensor, coverage: torch.Tensor, budget: torch.Tensor
-) -> tuple[dict, torch.Tensor]:
+) -> dict:
     """The round's ``customized_info`` (:data:`META_INFO_KEYS`) with ONE non-blocking copy.
 
     Args:
@@ -156,7 +156,7 @@ def round_info_to_host(
             node; coverage: float [bs] the tree's coverage of the target law; budget: int [bs]
             drafted nodes in each request's tree this round.
     Returns:
-        (``{key: RoundColumn}``, the host tensor float32 [len(META_INFO_KEYS), bs]): on CUDA a
+        ``{key: RoundColumn}`` over one host tensor float32 [len(META_INFO_KEYS), bs]: on CUDA a
         pinned buffer filled by ``copy_(non_blocking=True)`` (fenced by the scheduler's
         ``copy_done``), on CPU the stacked tensor itself. SGLang's scheduler keeps the values
         token-aligned and its tokenizer manager hands out one per round (``meta_info.py``).
@@ -168,7 +168,7 @@ def round_info_to_host(
     else:
         host = info
     casts = (int, int, float, int)
-    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}, host
+    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}
 
 
 def _row_temperatures(sampling, bs: int) -> list[float]:
@@ -540,9 +540,7 @@ class TEVWorker(DFlashWorkerV2):
                            reach_nodes=drafted is not None)
             served.observe(round_plan, dec.reach_cum, dec.reach_nodes)
         tree_budgets = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
-        logits_output.customized_info, _ = round_info_to_host(
-            plan.commit_lens, out.accept_len, out.coverage, tree_budgets
-        )
+        logits_output.customized_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, tree_budgets)
         if self._round_log is not None:
             self._round_log.record(logits_output.customized_info)
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)

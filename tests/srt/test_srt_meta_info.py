@@ -177,7 +177,7 @@ def test_round_log_lines(caplog):
     from sglang_tev.testing.host_sync import HostSyncCounter
 
     def round_(acc, depth, cov, budget, read=True):
-        cols, _ = round_info_to_host(*(torch.tensor(v) for v in (acc, depth, cov, budget)))
+        cols = round_info_to_host(*(torch.tensor(v) for v in (acc, depth, cov, budget)))
         if read:
             list(cols[META_INFO_KEYS[0]])  # what SGLang's result processor does, request by request
             for k in META_INFO_KEYS[1:]:
