@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         # on a GPU and the speculative modes' ratios here understate them (docs/benchmarks.md)
         "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers"),
         "sglang": __import__("sglang").__version__,
-        "modes": modes, "output_len": args.output_len, "runs": [], "start_seconds": {}, "table": [],
+        "modes": modes, "output_len": args.output_len, "runs": [], "start_seconds": {}, "table": [], "server_info": {},
     }
     if not result["machine"]["cpu_bf16"]:
         print("warning: this CPU has no native bf16 (no avx512_bf16 / amx_bf16): a bf16 verify forward of "
@@ -243,6 +243,10 @@ def main(argv=None) -> int:
                     for m in order:
                         t0 = time.time()
                         s = run_client(hosts[m], dataset, c, t, n, args.output_len, args.seed + rep, work / f"{m}.jsonl")
+                        # the server's arguments (~40 kB) once per mode, not in every run's summary
+                        info = s.pop("server_info", None)
+                        if info is not None:
+                            result["server_info"].setdefault(m, info)
                         run = {"mode": m, "concurrency": c, "temperature": t, "repeat": rep, "num_prompts": n,
                                "output_throughput": s["output_throughput"], "wall_s": round(time.time() - t0, 1),
                                "load_average": os.getloadavg(), "summary": s}

@@ -9,6 +9,15 @@ cost; every verified round's exit law labels the nodes' draft path scores with t
 The plan depends only on this round's draft and past rounds, so each request's output law is
 untouched (greedy = plain decoding; the engine tests check it).
 
+Target laws: one controller per law of the batch — ``"greedy"`` (every request greedy) or
+``"sampled"`` — as the transformers runtime keeps one per target law: a tree that pays under the
+greedy law (accept length ~3 on the shipped pair) rarely pays under T = 1 (~1.6), and one
+controller serving both would carry the greedy gains into sampled traffic until they wore off
+(measured: the CPU server ran trees at T = 1 after the T = 0 benchmark rows, 0.59-0.71x plain
+decoding). The law is read from SGLang's host flag ``is_all_greedy`` (no device read); the
+controllers share the cost table and the reach calibration (that one is kept per temperature
+regime already).
+
 Layout: padded — one width for every request of a round (the forward keeps a [bs, w] shape, as
 SGLang's verify input expects); a ragged layout (per-request widths, SGLang's
 ``RaggedVerifyLayout``) is not wired. KV reservation stays sized by the capacity N (SGLang reserves
@@ -32,12 +41,16 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..autobudget import DEFAULT_GRID, BudgetController, CostTable
 from ..plan import RoundPlan, TreePlanner, cut_tree
-from ..planner import regime_of
+from ..planner import ReachCalibration, regime_of
 
 if TYPE_CHECKING:
     from ..tree import DraftTree
 
-__all__ = ["ServedBudget", "budget_grid"]
+__all__ = ["ServedBudget", "budget_grid", "LAWS"]
+
+LAWS = ("greedy", "sampled")
+"""The target laws :class:`ServedBudget` keeps a controller for (a batch with any sampled
+request is ``"sampled"``)."""
 
 
 def budget_grid(capacity: int) -> tuple[int, ...]:
@@ -77,19 +90,37 @@ class ServedBudget:
         self.clock = clock
         self.broadcast = broadcast
         self.leader = bool(leader)
-        self.controller = BudgetController(self.grid, costs if costs is not None else CostTable())
-        self.planner = TreePlanner(self.controller, block_size)
+        self.block_size = block_size
+        self.costs = costs if costs is not None else CostTable()
+        self.calibration = ReachCalibration()
+        self.planners: dict[str, TreePlanner] = {}  # law -> its planner over its own controller
+        self.law = LAWS[0]  # the law of the round in flight (of the last one between rounds)
         self.capacity = int(capacity)
         self._t0: float | None = None
         self.rounds = 0
 
+    @property
+    def planner(self) -> TreePlanner:
+        """The planner of the current (or last) round's law."""
+        p = self.planners.get(self.law)
+        if p is None:
+            ctl = BudgetController(self.grid, self.costs)
+            p = self.planners[self.law] = TreePlanner(ctl, self.block_size, calibration=self.calibration)
+        return p
+
+    @property
+    def controller(self) -> BudgetController:
+        return self.planner.controller
+
     def _adopt(self, plan: RoundPlan | None) -> RoundPlan:
         return plan if self.broadcast is None else self.broadcast(plan)
 
-    def plan(self, bs: int) -> RoundPlan:
+    def plan(self, bs: int, all_greedy: bool = True) -> RoundPlan:
         """The round's plan before the draft (one budget for the batch; 0 = plain decoding),
-        rank 0's under TP. Starts the round's clock."""
+        rank 0's under TP, from the controller of the batch's law (``all_greedy``: SGLang's
+        ``sampling_info.is_all_greedy``). Starts the round's clock."""
         self._t0 = self.clock()
+        self.law = LAWS[0] if all_greedy else LAWS[1]
         plan = self._adopt(self.planner.plan(bs) if self.leader else None)
         if len(plan.budgets) != bs:
             raise RuntimeError(f"TEV: rank 0 planned {len(plan.budgets)} requests, this rank runs {bs}")

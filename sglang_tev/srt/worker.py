@@ -374,7 +374,8 @@ class TEVWorker(DFlashWorkerV2):
         dev = self.device
         prefix = batch.seq_lens
         served = self._served_budget
-        round_plan = served.plan(bs) if served is not None else None
+        # the batch's target law picks the planner's controller (a host flag: no device read)
+        round_plan = served.plan(bs, bool(batch.sampling_info.is_all_greedy)) if served is not None else None
         budget = self.tev.budget if round_plan is None else round_plan.budget
         if prefix.is_cuda:
             # carried over from the previous overlap step, possibly made on another stream (as DFlash)

@@ -120,3 +120,53 @@ def test_tp_followers_adopt_rank0s_plans_whatever_their_own_clocks_say():
 def test_a_follower_needs_a_broadcast():
     with pytest.raises(ValueError, match="broadcast"):
         ServedBudget(16, 8, leader=False)
+
+
+def _serve_rounds(served, rounds: int, all_greedy: bool, ratio: float, g) -> list[int]:
+    """``rounds`` synthetic rounds of batch 2 under one law: node i of a tree is reached with
+    probability ``ratio ** i``; a round costs 1 ms plus 0.1 ms per node. Returns the widths run."""
+    widths = []
+    for _ in range(rounds):
+        plan = served.plan(2, all_greedy)
+        tree, drafted = root_only_tree(torch.tensor([1, 2])), None
+        if plan.budget:
+            drafted = torch.randn(2, 7, 20, generator=g) * 3
+            tree = build_ddtree(drafted, plan.budget, torch.tensor([1, 2]))
+            plan, tree = served.refine(plan, tree, drafted, [0.0, 0.0] if all_greedy else [1.0, 1.0])
+        n = tree.num_nodes
+        reach = [[1.0] + [ratio ** i for i in range(1, n)] for _ in range(2)]
+        cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
+        served.clock.now += 0.001 * (1 + 0.1 * n)
+        served.observe(plan, cum, reach if drafted is not None else None)
+        widths.append(plan.budget)
+    return widths
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_greedy_and_sampled_batches_keep_their_own_controllers():
+    """A server's traffic changes law: greedy rounds where trees pay (reach 0.8^i), then sampled
+    rounds where no tree pays (reach 0.05^i). With one controller per law the sampled rounds run
+    plain decoding once their controller has calibrated, and greedy traffic coming back runs trees
+    at once; the control (one law for every round, as before) keeps running the greedy trees into
+    the sampled traffic."""
+    g = torch.Generator().manual_seed(0)
+    served = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    greedy = _serve_rounds(served, 150, True, 0.8, g)
+    assert sum(w > 0 for w in greedy[-50:]) >= 45, greedy[-50:]  # trees pay: the greedy law runs them
+    sampled = _serve_rounds(served, 150, False, 0.05, g)
+    assert sum(w == 0 for w in sampled[-100:]) >= 90, sampled[-100:]  # its own controller: plain steps
+    assert set(served.planners) == {"greedy", "sampled"}
+    back = _serve_rounds(served, 10, True, 0.8, g)
+    assert all(w > 0 for w in back), back  # the greedy controller kept what it learned
+
+    control = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    _serve_rounds(control, 150, True, 0.8, g)
+    mixed = _serve_rounds(control, 150, True, 0.05, g)  # the same sampled rounds, read as one law
+    assert sum(w > 0 for w in mixed[-100:]) > sum(w > 0 for w in sampled[-100:]), (mixed[-100:], sampled[-100:])
