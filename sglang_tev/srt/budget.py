@@ -14,9 +14,13 @@ Target laws: one controller per law of the batch — ``"greedy"`` (every request
 greedy law (accept length ~3 on the shipped pair) rarely pays under T = 1 (~1.6), and one
 controller serving both would carry the greedy gains into sampled traffic until they wore off
 (measured: the CPU server ran trees at T = 1 after the T = 0 benchmark rows, 0.59-0.71x plain
-decoding). The law is read from SGLang's host flag ``is_all_greedy`` (no device read); the
-controllers share the cost table and the reach calibration (that one is kept per temperature
-regime already).
+decoding). The law is read from SGLang's host flag ``is_all_greedy`` (no device read). Each law also
+times its own rounds (its own cost table): a sampled round computes the exit law over the tree's
+rows where a greedy one reads argmaxes, and on the CPU server a tree round of TEV N = 17 cost
+1.7-2.2 plain steps under the greedy law against 2.4-3.0 at T = 1 (concurrency 1, accept length x
+plain tok/s / tok/s per run of the serving benchmark), so greedy rounds' costs would make sampled
+trees look cheap. The reach
+calibration is shared (it is kept per temperature regime already).
 
 Layout: padded — one width for every request of a round (the forward keeps a [bs, w] shape, as
 SGLang's verify input expects); a ragged layout (per-request widths, SGLang's
@@ -71,8 +75,10 @@ class ServedBudget:
     Args:
         capacity: B_max = N - 1 (``--speculative-num-draft-tokens`` minus the root).
         block_size: K of the drafter.
-        costs: the :class:`~sglang_tev.autobudget.CostTable` (None: a fresh one that corrects
-            for the machine's load, as the transformers runtime's).
+        costs: the greedy law's :class:`~sglang_tev.autobudget.CostTable` (None: a fresh one
+            that corrects for the machine's load, as the transformers runtime's); every other law
+            gets an empty table with the same settings (``frozen``, ``window``,
+            ``load_correction``).
         clock: seconds source (default ``time.perf_counter``).
         broadcast: TP > 1: ``broadcast(obj) -> rank 0's obj`` over the TP group (every rank calls
             it in the same order; rank 0 gets its own object back); None: TP 1.
@@ -91,7 +97,8 @@ class ServedBudget:
         self.broadcast = broadcast
         self.leader = bool(leader)
         self.block_size = block_size
-        self.costs = costs if costs is not None else CostTable()
+        base = costs if costs is not None else CostTable()
+        self.cost_tables: dict[str, CostTable] = {LAWS[0]: base}  # law -> the seconds of its rounds
         self.calibration = ReachCalibration()
         self.planners: dict[str, TreePlanner] = {}  # law -> its planner over its own controller
         self.law = LAWS[0]  # the law of the round in flight (of the last one between rounds)
@@ -104,13 +111,22 @@ class ServedBudget:
         """The planner of the current (or last) round's law."""
         p = self.planners.get(self.law)
         if p is None:
-            ctl = BudgetController(self.grid, self.costs)
+            base = self.cost_tables[LAWS[0]]
+            table = self.cost_tables.setdefault(
+                self.law, CostTable(frozen=base.frozen, window=base.window, load_correction=base.load_correction))
+            ctl = BudgetController(self.grid, table)
             p = self.planners[self.law] = TreePlanner(ctl, self.block_size, calibration=self.calibration)
         return p
 
     @property
     def controller(self) -> BudgetController:
+        """The controller of the current (or last) round's law."""
         return self.planner.controller
+
+    @property
+    def costs(self) -> CostTable:
+        """The cost table of the current (or last) round's law."""
+        return self.planner.controller.costs
 
     def _adopt(self, plan: RoundPlan | None) -> RoundPlan:
         return plan if self.broadcast is None else self.broadcast(plan)

@@ -170,3 +170,49 @@ def test_greedy_and_sampled_batches_keep_their_own_controllers():
     _serve_rounds(control, 150, True, 0.8, g)
     mixed = _serve_rounds(control, 150, True, 0.05, g)  # the same sampled rounds, read as one law
     assert sum(w > 0 for w in mixed[-100:]) > sum(w > 0 for w in sampled[-100:]), (mixed[-100:], sampled[-100:])
+
+
+def _serve_law_blocks(served, blocks: int, g) -> tuple[list[int], list[int]]:
+    """Traffic alternating every 20 rounds between greedy and sampled batches with the same
+    reach law (0.6^i), where a sampled tree round costs 2.5 ms more than a greedy one (its verify
+    computes the exit law): trees pay under the greedy law (1 ms + 0.1 ms per node), not under the
+    sampled one. Returns the widths of the greedy and the sampled rounds of the second half."""
+    greedy, sampled = [], []
+    for k in range(blocks):
+        law_greedy = k % 2 == 0
+        for _ in range(20):
+            plan = served.plan(2, law_greedy)
+            tree, drafted = root_only_tree(torch.tensor([1, 2])), None
+            if plan.budget:
+                drafted = torch.randn(2, 7, 20, generator=g) * 3
+                tree = build_ddtree(drafted, plan.budget, torch.tensor([1, 2]))
+                plan, tree = served.refine(plan, tree, drafted, [0.0, 0.0] if law_greedy else [1.0, 1.0])
+            n = tree.num_nodes
+            reach = [[1.0] + [0.6 ** i for i in range(1, n)] for _ in range(2)]
+            cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
+            served.clock.now += 0.001 * (1 + 0.1 * n) + (0.0025 if n > 1 and not law_greedy else 0.0)
+            served.observe(plan, cum, reach if drafted is not None else None)
+            if k >= blocks // 2:
+                (greedy if law_greedy else sampled).append(plan.budget)
+    return greedy, sampled
+
+
+def test_each_law_times_its_own_rounds():
+    """Greedy and sampled batches alternate; the sampled law's tree rounds cost more (2.5 ms) with
+    the same reach. With a cost table per law the greedy rounds run trees and the sampled ones plain
+    steps; the control (both laws reading one table, as before) decides one law on the other's
+    costs: here the greedy rounds, timed against the sampled trees, stop running trees."""
+    g = torch.Generator().manual_seed(0)
+    served = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    greedy, sampled = _serve_law_blocks(served, 20, g)
+    assert set(served.cost_tables) == {"greedy", "sampled"}
+    assert served.cost_tables["sampled"].load_correction is False  # the greedy table's settings
+    assert sum(w > 0 for w in greedy) >= 0.9 * len(greedy), greedy
+    assert sum(w == 0 for w in sampled) >= 0.9 * len(sampled), sampled
+
+    shared = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    shared.cost_tables["sampled"] = shared.cost_tables["greedy"]  # the control: one table for both laws
+    c_greedy, c_sampled = _serve_law_blocks(shared, 20, g)
+    wrong = sum(w == 0 for w in greedy) + sum(w > 0 for w in sampled)
+    wrong_shared = sum(w == 0 for w in c_greedy) + sum(w > 0 for w in c_sampled)
+    assert wrong_shared > 10 * max(1, wrong), (wrong_shared, wrong, c_greedy, c_sampled)
