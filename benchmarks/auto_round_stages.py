@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     for name in ("batch_size", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("argument --threads: must be >= 1 (leave it out for torch's default)")
     if not args.temperature >= 0 or args.temperature == float("inf"):
         p.error("argument --temperature: a finite number >= 0")
     if args.output is not None:
@@ -77,11 +79,14 @@ def main(argv=None) -> int:
     from sglang_tev.machine import machine_info
     from sglang_tev.sampling import SamplingParams
 
+    prompts = (["def fibonacci(n):"] if args.batch_size == 1 else
+               [x.text if hasattr(x, "text") else x for x in load_prompts("humaneval")])
+    if args.batch_size > len(prompts):
+        p.error(f"argument --batch-size: at most {len(prompts)} (the HumanEval prompts), got {args.batch_size}")
+    prompts = prompts[:args.batch_size]
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.from_pretrained(**({"plan_cache": False} if args.no_plan_cache else {}))
-    prompts = (["def fibonacci(n):"] if args.batch_size == 1 else
-               [x.text if hasattr(x, "text") else x for x in load_prompts("humaneval")][:args.batch_size])
     sp = SamplingParams(temperature=args.temperature)
 
     def run(mode, seed):

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,10 @@ def write_dataset(path: Path) -> int:
     ]
     path.write_text(json.dumps(rows))
     return len(rows)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def start(mode: str):
@@ -169,15 +174,17 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="plain,dflash,tev17,tev65,auto65")
-    ap.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
-    ap.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--modes", default="plain,dflash,tev17,tev65,auto65",
+                    help=f"comma list, one server each, plain required; known: {', '.join(MODES)}")
+    ap.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="comma list of client concurrencies")
+    ap.add_argument("--temperatures", type=_floats, default=[0.0, 1.0], help="comma list of request temperatures")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of every (concurrency, T, mode)")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens per request (EOS ignored)")
     ap.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(8, 2 x concurrency))")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sglang-serving-cpu.json")
-    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="the modes' order per repeat and the client's seed")
+    ap.add_argument("--output", type=Path, default=None,
+                    help="results JSON, rewritten after every run (default: none, the table is printed)")
+    ap.add_argument("--plot", type=Path, default=None, help="tokens/s against concurrency (PNG)")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -194,6 +201,10 @@ def main(argv=None) -> int:
     # everything that can be refused is refused here, before any server starts (minutes)
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error(f"--concurrency: a comma list of integers >= 1, got {args.concurrency}")
+    if len(set(args.concurrency)) != len(args.concurrency):
+        ap.error(f"--concurrency: each value once, got {args.concurrency}")
+    if len(set(args.temperatures)) != len(args.temperatures):
+        ap.error(f"--temperatures: each value once, got {args.temperatures}")
     if not args.temperatures or not all(math.isfinite(t) and t >= 0 for t in args.temperatures):
         ap.error(f"--temperatures: a comma list of finite numbers >= 0, got {args.temperatures}")
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -230,6 +241,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
     rng = random.Random(args.seed)
     hosts = {}
+    # a SIGTERM (a timeout, a job runner) ends like Ctrl-C: the servers close and the dataset goes
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         for m in modes:
             hosts[m], result["start_seconds"][m] = start(m)
@@ -252,7 +265,8 @@ def main(argv=None) -> int:
                                "load_average": os.getloadavg(), "summary": s}
                         result["runs"].append(run)
                         result["table"] = table(result["runs"], modes)
-                        atomic_write(args.output, json.dumps(result, indent=1))
+                        if args.output is not None:
+                            atomic_write(args.output, json.dumps(result, indent=1))
                         print(f"c={c} T={t:g} rep={rep} {m}: {s['output_throughput']:.1f} tok/s", file=sys.stderr)
     finally:
         for h in hosts.values():

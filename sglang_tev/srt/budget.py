@@ -13,8 +13,8 @@ Target laws: one controller per law of the batch — ``"greedy"`` (every request
 ``"sampled"`` — as the transformers runtime keeps one per target law: a tree that pays under the
 greedy law (accept length ~3 on the shipped pair) rarely pays under T = 1 (~1.6), and one
 controller serving both would carry the greedy gains into sampled traffic until they wore off
-(measured: the CPU server ran trees at T = 1 after the T = 0 benchmark rows, 0.59-0.71x plain
-decoding). The law is read from SGLang's host flag ``is_all_greedy`` (no device read). Each law also
+(measured: the CPU server ran trees at T = 1 after the T = 0 benchmark rows, 0.65x / 0.78x /
+0.81x plain decoding at concurrency 1 / 4 / 16). The law is read from SGLang's host flag ``is_all_greedy`` (no device read). Each law also
 times its own rounds (its own cost table): a sampled round computes the exit law over the tree's
 rows where a greedy one reads argmaxes, and on the CPU server a tree round of TEV N = 17 cost
 1.7-2.2 plain steps under the greedy law against 2.4-3.0 at T = 1 (concurrency 1, accept length x
@@ -40,6 +40,7 @@ a device sync per round (not measured on a GPU yet), on CPU it costs nothing.
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -62,15 +63,17 @@ def budget_grid(capacity: int) -> tuple[int, ...]:
     capacity itself; 0 is a plain decoding step.
 
     Raises:
-        ValueError naming ``capacity`` when it is below 1.
+        ValueError naming ``capacity`` unless it is an integer of at least 1.
     """
-    if int(capacity) < 1:
-        raise ValueError(f"capacity must be at least 1 (a tree size N >= 2), got {capacity!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or int(capacity) < 1:
+        raise ValueError(f"capacity must be an integer of at least 1 (a tree size N >= 2), got {capacity!r}")
     return tuple(sorted({g for g in DEFAULT_GRID if g <= capacity} | {int(capacity)}))
 
 
 class ServedBudget:
-    """One server's tree-width policy; under TP, one per rank with rank 0 deciding.
+    """One server's tree-width policy; under TP, one per rank with rank 0 deciding. One planner,
+    controller and cost table per target law of the batch (:data:`LAWS`, chosen by
+    :meth:`plan`'s ``all_greedy``), one reach calibration for all.
 
     Args:
         capacity: B_max = N - 1 (``--speculative-num-draft-tokens`` minus the root).
@@ -85,13 +88,16 @@ class ServedBudget:
         leader: whether this rank decides (TP rank 0); a follower (``broadcast`` required) runs
             no planner of its own.
     Raises:
-        ValueError when a follower has no ``broadcast``.
+        ValueError when a follower has no ``broadcast``, naming ``capacity`` (not an integer
+        >= 1) or ``block_size`` (not an integer >= 2).
     """
 
     def __init__(self, capacity: int, block_size: int, costs: CostTable | None = None, clock=time.perf_counter,
                  broadcast: Callable[[Any], Any] | None = None, leader: bool = True) -> None:
         if not leader and broadcast is None:
             raise ValueError("broadcast is required on a follower rank (leader=False): it adopts rank 0's plans")
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 2:
+            raise ValueError(f"block_size must be the drafter's K, an integer of at least 2, got {block_size!r}")
         self.grid = budget_grid(capacity)
         self.clock = clock
         self.broadcast = broadcast
@@ -108,7 +114,13 @@ class ServedBudget:
 
     @property
     def planner(self) -> TreePlanner:
-        """The planner of the current (or last) round's law."""
+        """The planner of the current (or last) round's law (rank 0 only: a follower runs none).
+
+        Raises:
+            RuntimeError on a follower rank.
+        """
+        if not self.leader:
+            raise RuntimeError("a follower rank (leader=False) runs no planner: it adopts rank 0's plans")
         p = self.planners.get(self.law)
         if p is None:
             base = self.cost_tables[LAWS[0]]
@@ -134,7 +146,16 @@ class ServedBudget:
     def plan(self, bs: int, all_greedy: bool = True) -> RoundPlan:
         """The round's plan before the draft (one budget for the batch; 0 = plain decoding),
         rank 0's under TP, from the controller of the batch's law (``all_greedy``: SGLang's
-        ``sampling_info.is_all_greedy``). Starts the round's clock."""
+        ``sampling_info.is_all_greedy``). Starts the round's clock; the round's law holds until
+        its :meth:`observe`.
+
+        Raises:
+            ValueError naming ``bs`` (below 1) or ``all_greedy`` (not a bool).
+        """
+        if isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 1:
+            raise ValueError(f"bs must be the round's number of requests (>= 1), got {bs!r}")
+        if not isinstance(all_greedy, bool):
+            raise ValueError(f"all_greedy must be a bool (SGLang's is_all_greedy), got {all_greedy!r}")
         self._t0 = self.clock()
         self.law = LAWS[0] if all_greedy else LAWS[1]
         plan = self._adopt(self.planner.plan(bs) if self.leader else None)
@@ -155,7 +176,11 @@ class ServedBudget:
             temperatures: per request, its temperature (0 = greedy).
         Returns:
             (the plan the round runs, the tree cut to it).
+        Raises:
+            RuntimeError when no round is open (no :meth:`plan` since the last :meth:`observe`).
         """
+        if self._t0 is None:
+            raise RuntimeError("refine() needs an open round: call plan() first")
         if self.leader:
             plan, tree = self.planner.refine_tree(plan, tree, drafted, [regime_of(t) for t in temperatures])
             self._adopt(plan)
@@ -165,9 +190,15 @@ class ServedBudget:
 
     def observe(self, plan: RoundPlan, reach_cum, reach_nodes) -> float:
         """Close the round: its seconds since :meth:`plan` and its exit-law labels go to the
-        planner (rank 0's only). Returns the seconds."""
+        planner of the law :meth:`plan` read (rank 0's only). Returns the seconds.
+
+        Raises:
+            RuntimeError when no round is open (no :meth:`plan`, or this round already observed).
+        """
+        if self._t0 is None:
+            raise RuntimeError("observe() needs an open round: call plan() first, once per round")
         now = self.clock()
-        seconds = now - (self._t0 if self._t0 is not None else now)
+        seconds = now - self._t0
         self._t0 = None
         if self.leader:
             self.planner.observe(plan, reach_cum, seconds, reach_nodes=reach_nodes)

@@ -216,3 +216,31 @@ def test_each_law_times_its_own_rounds():
     wrong = sum(w == 0 for w in greedy) + sum(w > 0 for w in sampled)
     wrong_shared = sum(w == 0 for w in c_greedy) + sum(w > 0 for w in c_sampled)
     assert wrong_shared > 10 * max(1, wrong), (wrong_shared, wrong, c_greedy, c_sampled)
+
+
+def test_bad_arguments_and_rounds_out_of_order_are_refused():
+    for cap in (0, True, 1.5, "16", None):
+        with pytest.raises(ValueError, match="capacity"):
+            ServedBudget(cap, 8)
+    for k in (0, 1, True, None, 8.0):
+        with pytest.raises(ValueError, match="block_size"):
+            ServedBudget(16, k)
+    served = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    for bs in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="bs"):
+            served.plan(bs)
+    with pytest.raises(ValueError, match="all_greedy"):
+        served.plan(2, "False")
+    with pytest.raises(RuntimeError, match="plan"):
+        served.observe(None, None, None)  # no round open
+    tree = root_only_tree(torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="plan"):
+        served.refine(None, tree, None, [0.0, 0.0])
+    plan = served.plan(2, False)
+    served.observe(plan, None, None)
+    with pytest.raises(RuntimeError, match="plan"):
+        served.observe(plan, None, None)  # observed twice
+    assert served.rounds == 1 and served.law == "sampled"
+    follower = ServedBudget(16, 8, broadcast=lambda obj: obj, leader=False)
+    with pytest.raises(RuntimeError, match="follower"):
+        follower.planner
