@@ -122,24 +122,27 @@ def test_a_follower_needs_a_broadcast():
         ServedBudget(16, 8, leader=False)
 
 
+def _serve_round(served, all_greedy: bool, ratio: float, g, tree_extra: float = 0.0) -> int:
+    """One synthetic round of batch 2: node i of a tree is reached with probability ``ratio ** i``;
+    the round costs 1 ms plus 0.1 ms per node, plus ``tree_extra`` seconds when it has a tree.
+    Returns its width."""
+    plan = served.plan(2, all_greedy)
+    tree, drafted = root_only_tree(torch.tensor([1, 2])), None
+    if plan.budget:
+        drafted = torch.randn(2, 7, 20, generator=g) * 3
+        tree = build_ddtree(drafted, plan.budget, torch.tensor([1, 2]))
+        plan, tree = served.refine(plan, tree, drafted, [0.0, 0.0] if all_greedy else [1.0, 1.0])
+    n = tree.num_nodes
+    reach = [[1.0] + [ratio ** i for i in range(1, n)] for _ in range(2)]
+    cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
+    served.clock.now += 0.001 * (1 + 0.1 * n) + (tree_extra if n > 1 else 0.0)
+    served.observe(plan, cum, reach if drafted is not None else None)
+    return plan.budget
+
+
 def _serve_rounds(served, rounds: int, all_greedy: bool, ratio: float, g) -> list[int]:
-    """``rounds`` synthetic rounds of batch 2 under one law: node i of a tree is reached with
-    probability ``ratio ** i``; a round costs 1 ms plus 0.1 ms per node. Returns the widths run."""
-    widths = []
-    for _ in range(rounds):
-        plan = served.plan(2, all_greedy)
-        tree, drafted = root_only_tree(torch.tensor([1, 2])), None
-        if plan.budget:
-            drafted = torch.randn(2, 7, 20, generator=g) * 3
-            tree = build_ddtree(drafted, plan.budget, torch.tensor([1, 2]))
-            plan, tree = served.refine(plan, tree, drafted, [0.0, 0.0] if all_greedy else [1.0, 1.0])
-        n = tree.num_nodes
-        reach = [[1.0] + [ratio ** i for i in range(1, n)] for _ in range(2)]
-        cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
-        served.clock.now += 0.001 * (1 + 0.1 * n)
-        served.observe(plan, cum, reach if drafted is not None else None)
-        widths.append(plan.budget)
-    return widths
+    """``rounds`` rounds of :func:`_serve_round` under one law. Returns the widths run."""
+    return [_serve_round(served, all_greedy, ratio, g) for _ in range(rounds)]
 
 
 class _Clock:
@@ -181,19 +184,9 @@ def _serve_law_blocks(served, blocks: int, g) -> tuple[list[int], list[int]]:
     for k in range(blocks):
         law_greedy = k % 2 == 0
         for _ in range(20):
-            plan = served.plan(2, law_greedy)
-            tree, drafted = root_only_tree(torch.tensor([1, 2])), None
-            if plan.budget:
-                drafted = torch.randn(2, 7, 20, generator=g) * 3
-                tree = build_ddtree(drafted, plan.budget, torch.tensor([1, 2]))
-                plan, tree = served.refine(plan, tree, drafted, [0.0, 0.0] if law_greedy else [1.0, 1.0])
-            n = tree.num_nodes
-            reach = [[1.0] + [0.6 ** i for i in range(1, n)] for _ in range(2)]
-            cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
-            served.clock.now += 0.001 * (1 + 0.1 * n) + (0.0025 if n > 1 and not law_greedy else 0.0)
-            served.observe(plan, cum, reach if drafted is not None else None)
+            w = _serve_round(served, law_greedy, 0.6, g, tree_extra=0.0 if law_greedy else 0.0025)
             if k >= blocks // 2:
-                (greedy if law_greedy else sampled).append(plan.budget)
+                (greedy if law_greedy else sampled).append(w)
     return greedy, sampled
 
 
