@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _mode(text: str):
@@ -62,7 +61,7 @@ def main(argv=None) -> int:
             p.error(f"argument --{name.replace('_', '-')}: must be >= 1")
     if args.threads is not None and args.threads < 1:
         p.error("argument --threads: must be >= 1 (leave it out for torch's default)")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
         p.error("argument --temperature: a finite number >= 0")
     if args.output is not None:
         from sglang_tev.atomic import check_writable_file

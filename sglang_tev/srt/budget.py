@@ -12,16 +12,15 @@ untouched (greedy = plain decoding; the engine tests check it).
 Target laws: one controller per law of the batch — ``"greedy"`` (every request greedy) or
 ``"sampled"`` — as the transformers runtime keeps one per target law: a tree that pays under the
 greedy law rarely pays under T = 1 (TEV N = 17 on the CPU server: accept length 2.9-3.0 against
-2.2-2.4), and one controller
-serving both would carry the greedy gains into sampled traffic until they wore off (measured: the
-CPU server ran trees at T = 1 after the T = 0 benchmark rows, 0.65x / 0.78x / 0.81x plain decoding
-at concurrency 1 / 4 / 16). The law is read from SGLang's host flag ``is_all_greedy`` (no device
-read). Each law also times its own rounds (its own cost table): a sampled round computes the exit
-law over the tree's rows where a greedy one reads argmaxes, and on the CPU server a tree round of
-TEV N = 17 cost 1.7-2.2 plain steps under the greedy law against 2.4-3.0 at T = 1 (concurrency 1,
-accept length x plain tok/s / tok/s per run of the serving benchmark), so greedy rounds' costs would
-make sampled trees look cheap. The reach calibration is shared (it is kept per temperature regime
-already).
+2.2-2.4), and one controller serving both would carry the greedy gains into sampled traffic until
+they wore off (measured: the CPU server ran trees at T = 1 after the T = 0 benchmark rows, 0.65x /
+0.78x / 0.81x plain decoding at concurrency 1 / 4 / 16). The law is read from SGLang's host flag
+``is_all_greedy`` (no device read). Each law also times its own rounds (its own cost table): a
+sampled round computes the exit law over the tree's rows where a greedy one reads argmaxes, and on
+the CPU server a tree round of TEV N = 17 cost 1.7-2.2 plain steps under the greedy law against
+2.4-3.0 at T = 1 (concurrency 1, accept length x plain tok/s / tok/s per run of the serving
+benchmark), so greedy rounds' costs would make sampled trees look cheap. The reach calibration is
+shared (it is kept per temperature regime already).
 
 Layout: padded — one width for every request of a round (the forward keeps a [bs, w] shape, as
 SGLang's verify input expects); a ragged layout (per-request widths, SGLang's
