@@ -232,15 +232,20 @@ def test_probes_cost_at_most_their_share_alternate_gain_and_cost_and_never_pick_
         picks = _run(ctl, 600, gains, seconds)[5:]  # after calibration
         probes = [b for b in picks if b != 0]
         lost = sum(seconds[b] - (1 + gains[b]) * seconds[0] for b in probes)
-        assert picks.count(0) > 450 and lost <= 0.05 * sum(seconds[b] for b in picks) + 0.05
+        assert picks.count(0) > 400 and lost <= 0.05 * sum(seconds[b] for b in picks) + 0.05
         assert (len(probes) >= 50) if many else (len(probes) < 30)
         # while plain decoding wins every probe is a tree, so two rounds (the first pays the switch)
         starts = [i for i, b in enumerate(picks) if b != 0 and picks[i - 1] == 0]
         assert all(picks[i + 1] == picks[i] and (i + 2 == len(picks) or picks[i + 2] == 0) for i in starts[:-1])
         assert min(np.diff(starts)) >= ctl.min_gap and len(probes) >= 2 * len(starts) - 1
-        # up probes (a larger budget than the best tree) and across probes (the tree budgets timed
-        # so far, the stalest first) in turn; no down probe while plain decoding wins
-        assert probes[:8] == [32, 32, 8, 8, 32, 32, 32, 32][:len(probes[:8])] and set(probes) == {8, 32}
+        if many:
+            # trees nearly as good as plain: 32's probe would lose 6.5x 8's (> stale_loss), so
+            # only the best tree is probed, and more often
+            assert set(probes) == {8}
+        else:
+            # up probes (a larger budget than the best tree) and across probes (the tree budgets
+            # timed so far, the stalest first) in turn; no down probe while plain decoding wins
+            assert probes[:8] == [32, 32, 8, 8, 32, 32, 32, 32][:len(probes[:8])] and set(probes) == {8, 32}
     # a budget whose gain was never observed is not chosen (only explored)
     fresh = BudgetController((0, 8, 32), _table({0: 0.01, 8: 0.011, 32: 0.012}))
     fresh.gain = {8: 0.5}  # as if only budget-8 rounds had run
@@ -285,7 +290,9 @@ def test_a_regime_switch_is_tried_against_the_same_minute_and_undone_when_it_los
     32 rounds (then 64, ...) before it tries again; probes still run meanwhile."""
     grid, gains = (0, 8, 32), {8: 1.0, 32: 1.5}
     true = {0: 0.010, 8: 0.030, 32: 0.045}
-    ctl = BudgetController(grid, CostTable(), explore_share=0.0)
+    # no probes at all (no allowance, and no free across probe of the fast-looking 8: every tree
+    # may be probed, the stalest first), so only the trial mechanism is at work
+    ctl = BudgetController(grid, CostTable(), explore_share=0.0, stale_loss=1e9)
     assert _run(ctl, 5, gains, true) == [32, 0, 0, 8, 8]  # calibration
     _run(ctl, 20, gains, true)
     assert ctl.state(1).current == 0 and not ctl.trials
@@ -438,14 +445,76 @@ def test_probe_kinds_up_across_down():
     ctl = _probing()
     assert ctl.probe_kinds(1, 16) == (64, 0, 4)
     assert ctl.probe_kinds(1, 4) == (16, 0, None) and ctl.probe_kinds(1, 64) == (None, 0, 16)
-    # plain decoding wins: up from the best tree (16), across the tree timed longest ago
+    # plain decoding wins (within the regime margin): up from the best tree (16), across the tree
+    # timed longest ago (every tree: the probe-loss cap is tested below)
+    ctl.stale_loss = 1e9
     assert ctl.probe_kinds(1, 0) == (64, 4, None)  # set() stamps nothing: ties go to the first
     ctl.costs.record(1, 4, 0.014)
     ctl.costs.record(1, 64, 0.040)
     assert ctl.probe_kinds(1, 0) == (64, 16, None)  # 16 was never timed by a round
     ctl.costs.record(1, 16, 0.018)
     assert ctl.probe_kinds(1, 0)[1] == 4
+    # ... among the trees whose probe loses at most stale_loss times the best tree's: with plain
+    # decoding at 182 tokens/s, 16's probe loses 0.0052 s, 4's 0.0060 s, 64's 0.0448 s
+    ctl.costs.set(1, 0, 0.0055)
+    ctl.stale_loss = 4.0
+    assert ctl.probe_kinds(1, 0) == (None, 4, None)  # 64 (up) left out: 8.6x the best tree's loss
+    ctl.costs.record(1, 4, 0.014)
+    assert ctl.probe_kinds(1, 0) == (None, 16, None)
+    ctl.stale_loss = 2.5
+    ctl.costs.record(1, 16, 0.018)
+    assert ctl.probe_kinds(1, 0) == (None, 4, None)
+    ctl.stale_loss = 1.1  # 4's probe loses 1.15x 16's: the best tree only
+    assert ctl.probe_kinds(1, 0) == (None, 16, None)
+    with pytest.raises(ValueError, match="stale_loss"):
+        BudgetController((0, 8), CostTable(), stale_loss=0.5)
     assert BudgetController((2, 8), _set({2: 0.01, 8: 0.02})).probe_kinds(1, 8) == (None, None, 2)
+
+
+def test_plain_decoding_on_stale_gains_probes_the_best_tree_and_returns_to_trees():
+    """Measured on the shipped pair (2026-12-06, batch 1, one thread): the first call's tree rounds
+    learned gains below the trees' later ones, plain decoding won by a hair, and the only across
+    probe offered was the capacity (timed once, at calibration, longest ago): it loses the most,
+    the allowance never paid for it, and 512 rounds ran plain with the gains never re-observed.
+    The across probe is the best tree: it is paid for within ~100 rounds, its rounds re-observe
+    the gains, and the controller goes back to the trees once they win."""
+    grid = (0, 4, 8, 16, 64)
+    ctl = BudgetController(grid, _set({0: 0.0052, 4: 0.0121, 8: 0.0133, 16: 0.0139, 64: 0.0257}))
+    ctl.gain = {4: 0.95, 8: 1.31, 16: 1.44, 64: 2.44}  # stale: learned early in the first call
+    for b in grid:
+        ctl._n[b] = 40
+    ctl._inc = {4: 0.95, 8: 0.36, 16: 0.13, 64: 1.0}
+    st = ctl.state(1)
+    st.calibrated, st.current, st.age, st.cost_now = True, 0, 0, 0.0052
+    truth = {4: 1.1, 8: 1.64, 16: 1.84, 64: 2.44}  # what the trees gain now (fixed-budget runs)
+    seconds = {0: 0.0052, 4: 0.0121, 8: 0.0124, 16: 0.0141, 64: 0.0257}
+    picks = _run(ctl, 1500, truth, seconds)
+    probes = [(i, b) for i, b in enumerate(picks) if b]
+    assert probes[0][0] < 400 and 64 not in [b for _, b in probes[:20]]  # not the capacity first
+    assert sum(b > 0 for b in picks[-300:]) > 250  # back on the trees (they win by 12 %)
+
+
+def test_a_gain_observed_after_a_long_gap_moves_by_up_to_stale_weight():
+    """The gains' EMA runs over rounds: a step every round observes moves by alpha, one last seen
+    g rounds ago by 1 - (1 - alpha) ** g (at most stale_weight)."""
+    ctl = BudgetController((0, 8, 32), _set({0: 0.01, 8: 0.02, 32: 0.03}), alpha=0.05, stale_weight=0.5)
+    for _ in range(40):
+        ctl.observe(1, 32, [[1.0, 1.5]], 0.03)
+    assert ctl.gain == pytest.approx({8: 1.0, 32: 1.5})
+    ctl.observe(1, 32, [[2.0, 3.0]], 0.03)  # the next round: weight alpha
+    assert ctl.gain[8] == pytest.approx(1.05) and ctl.gain[32] == pytest.approx(1.05 + 0.5 + 0.05 * 0.5)
+    for _ in range(5):
+        ctl.observe(1, 0, None, 0.01)
+    ctl.observe(1, 8, [[2.05]], 0.02)  # 6 rounds after the last: 1 - 0.95 ** 6 = 0.265
+    assert ctl.gain[8] == pytest.approx(1.05 + (1 - 0.95 ** 6) * 1.0)
+    for _ in range(300):
+        ctl.observe(1, 0, None, 0.01)
+    inc32 = ctl.gain[32] - ctl.gain[8]
+    ctl.observe(1, 32, [[0.0, 0.0]], 0.03)  # 300 rounds later: capped at stale_weight
+    assert ctl.gain[8] == pytest.approx(0.5 * (1.05 + (1 - 0.95 ** 6)))
+    assert ctl.gain[32] - ctl.gain[8] == pytest.approx(0.5 * inc32)
+    with pytest.raises(ValueError, match="stale_weight"):
+        BudgetController((0, 8), CostTable(), alpha=0.1, stale_weight=0.05)
 
 
 def test_next_probe_turns_through_the_kinds():
