@@ -361,6 +361,9 @@ class BudgetController:
         rounds: choices made after calibration (trial cool-downs count in them).
         history: ``(batch, budget)`` of every round, for reports and tests.
         trials: ``(batch, from, to, kept)`` of the last 1,000 regime trials.
+        switch: ``{(batch, into trees): seconds}``, what the first round after a switch between
+            plain decoding and the trees costs beyond its budget's round (an EMA of weight
+            ``switch_alpha``, 0.25), in the table's scale; the across probes pay it.
     """
 
     def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.005, min_gap: int = 6,
@@ -383,10 +386,12 @@ class BudgetController:
         self.alpha, self.margin, self.regime_margin = alpha, margin, regime_margin
         self.explore_share, self.min_gap, self.trial_rounds = explore_share, int(min_gap), int(trial_rounds)
         self.stale_loss, self.stale_weight = float(stale_loss), float(stale_weight)
+        self.switch_alpha = 0.25
         self.gain: dict[int, float] = {}
         self._n: dict[int, int] = {}              # budget -> rounds that observed it
         self._inc: dict[int, float] = {}          # budget -> its gain over the next smaller grid budget
         self._seen: dict[int, int] = {}           # budget -> the gain clock when last observed
+        self.switch: dict[tuple[int, bool], float] = {}
         self._clock = 0                           # rounds observed (all batch sizes)
         self.allowance = 0.0
         self._since = 0                           # re-reading rounds since the last probe (all sizes)
@@ -581,10 +586,12 @@ class BudgetController:
 
     def probe_loss(self, batch: int, probe: int, best: int) -> float:
         """The seconds (table scale) a probe is expected to lose against ``best``: its cost times
-        one minus its rate over best's (0 for a faster probe), twice for an across probe (it runs
-        two rounds). Both rates must be known."""
+        one minus its rate over best's (0 for a faster probe); for an across probe twice that (it
+        runs two rounds) plus both switches' price as measured (:attr:`switch`: into the probe's
+        regime and back). Both rates must be known."""
         loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - self.rate(batch, probe) / self.rate(batch, best))
-        loss *= 2 if (probe == 0) != (best == 0) else 1
+        if (probe == 0) != (best == 0):
+            loss = 2 * loss + self.switch.get((batch, probe > 0), 0.0) + self.switch.get((batch, best > 0), 0.0)
         return loss
 
     def take_probe(self, batch: int, st: BatchSizeState) -> int | None:
@@ -669,6 +676,14 @@ class BudgetController:
         # regime; it is not timed into the table (across probes run two rounds for this)
         if last is None or (last == 0) == (budget == 0):
             self.costs.record(batch, budget, seconds)
+        elif not self.costs.frozen and math.isfinite(seconds) and (c := self.costs.cost(batch, budget)) is not None:
+            # ... what it pays beyond the round is the switch's price, charged to the probes that
+            # switch (:meth:`probe_loss`): after a long plain stretch the drafter catches up on
+            # every token since its last round
+            excess = max(0.0, seconds / self.costs.current_load() - c)
+            key = (batch, budget > 0)
+            prev = self.switch.get(key)
+            self.switch[key] = excess if prev is None else prev + self.switch_alpha * (excess - prev)
         rows = [list(r) for r in reach_cum] if reach_cum else None
         if st.trial is not None and budget == st.trial.target:
             st.trial.record(seconds, rows)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -131,7 +132,8 @@ class PlanCache:
 
     def save(self, cost_table: CostTable, gains: dict, calibration: ReachCalibration) -> None:
         """Write the state atomically (the folder is created). ``gains``: ``{name: {"inc": {budget:
-        float}, "n": {budget: int}}}`` per controller (:func:`controller_gains`)."""
+        float}, "n": {budget: int}, "switch": {"batch:trees|plain": seconds}}}`` per controller
+        (:func:`controller_gains`)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"schema": SCHEMA, "key": self.key, "cost_table": cost_table.to_json(), "gains": gains,
                 "calibration": calibration.to_json()}
@@ -143,12 +145,19 @@ def _check_gains(v: dict) -> dict:
     n = {int(b): int(x) for b, x in v["n"].items()}
     if any(b < 0 or x < 0 for b, x in inc.items()) or any(x < 0 for x in n.values()):
         raise ValueError("gains out of range")
-    return {"inc": inc, "n": n}
+    switch = {str(k): float(x) for k, x in v.get("switch", {}).items()}  # absent in older caches
+    for k, x in switch.items():
+        batch, _, into = k.partition(":")
+        if into not in ("trees", "plain") or int(batch) < 1 or not (math.isfinite(x) and x >= 0):
+            raise ValueError("switch prices out of range")
+    return {"inc": inc, "n": n, "switch": switch}
 
 
 def controller_gains(ctl) -> dict:
-    """A :class:`~sglang_tev.autobudget.BudgetController`'s learned gains as JSON-able dicts."""
-    return {"inc": {str(b): x for b, x in ctl._inc.items()}, "n": {str(b): x for b, x in ctl._n.items()}}
+    """A :class:`~sglang_tev.autobudget.BudgetController`'s learned gains (and the switch prices
+    its across probes pay, ``"batch:trees"`` / ``"batch:plain"``) as JSON-able dicts."""
+    return {"inc": {str(b): x for b, x in ctl._inc.items()}, "n": {str(b): x for b, x in ctl._n.items()},
+            "switch": {f"{b}:{'trees' if into else 'plain'}": x for (b, into), x in ctl.switch.items()}}
 
 
 def restore_gains(ctl, saved: dict) -> None:
@@ -156,6 +165,7 @@ def restore_gains(ctl, saved: dict) -> None:
     ``ctl``: the per-step increments, their counts, and the cumulative gains rebuilt from them."""
     ctl._inc = {int(b): float(x) for b, x in saved["inc"].items() if int(b) in ctl.grid}
     ctl._n = {int(b): int(x) for b, x in saved["n"].items() if int(b) in ctl.grid}
+    ctl.switch = {(int(k.partition(":")[0]), k.endswith(":trees")): float(x) for k, x in saved.get("switch", {}).items()}
     total = 0.0
     ctl.gain = {}
     for b in ctl.grid_upto(ctl.max_budget):

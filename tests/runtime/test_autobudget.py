@@ -517,6 +517,33 @@ def test_a_gain_observed_after_a_long_gap_moves_by_up_to_stale_weight():
         BudgetController((0, 8), CostTable(), alpha=0.1, stale_weight=0.05)
 
 
+def test_across_probes_pay_the_switch_they_cause():
+    """The first round after a switch between plain decoding and the trees costs more than its
+    budget's round (the drafter catches up on the plain stretch's tokens); that excess is learned
+    per batch size and direction and charged to across probes, so where a switch is dear the
+    trees are probed from plain decoding less often."""
+    grid, gains = (0, 8), {8: 0.3}
+    for catch_up, few in ((0.0, False), (0.2, True)):  # the first tree round after plain: +200 ms
+        ctl = BudgetController(grid, _set({0: 0.010, 8: 0.014}), explore_share=0.05)
+        ctl.gain = dict(gains)
+        picks = []
+        for _ in range(2000):
+            b = ctl.choose(1)
+            first = picks and b and not picks[-1]
+            picks.append(b)
+            _feed(ctl, b, gains, seconds={0: 0.010, 8: 0.014}[b] + (catch_up if first else 0.0))
+        starts = sum(1 for i in range(1, len(picks)) if picks[i] and not picks[i - 1])
+        if few:
+            assert ctl.switch[(1, True)] == pytest.approx(0.2, rel=0.05) and starts <= 12
+        else:
+            assert ctl.switch.get((1, True), 0.0) == pytest.approx(0.0, abs=1e-9) and starts >= 40
+    st = ctl.state(1)
+    loss = ctl.probe_loss(1, 8, 0)
+    ctl.switch[(1, False)] = 0.05
+    assert ctl.probe_loss(1, 8, 0) == pytest.approx(loss + 0.05)
+    assert ctl.probe_loss(1, 8, 8) == 0.0 and st.current == 0
+
+
 def test_next_probe_turns_through_the_kinds():
     ctl = _probing()
     picks = []

@@ -58,6 +58,32 @@ def test_a_second_runtime_starts_where_the_first_left_off(cache_home, _gen):
     assert g2.calibration.means.get("greedy") is not None
 
 
+def test_the_switch_prices_are_kept_and_checked(cache_home, _gen):
+    """What a switch between plain decoding and the trees costs (charged to across probes) is
+    saved with the gains; a cache from before it was kept loads without it; a bad entry is not
+    trusted."""
+    g1 = _gen()
+    g1.generate(torch.arange(3, 11), budget="auto", max_new_tokens=12)
+    ctl = next(iter(g1._controllers.values()))
+    ctl.switch = {(1, True): 0.004, (3, False): 0.001}
+    g1._save_plan_cache()
+    g2 = _gen()
+    g2.generate(torch.arange(3, 11), budget="auto", max_new_tokens=4)
+    ctl2 = next(iter(g2._controllers.values()))
+    assert ctl2.switch[(1, True)] == pytest.approx(0.004, rel=0.5) and ctl2.switch[(3, False)] == 0.001
+    store = g2._plan_store
+    data = json.loads(store.path.read_text())
+    for v in data["gains"].values():
+        v.pop("switch")
+    store.path.write_text(json.dumps(data))
+    assert store.load() is not None and all(not v["switch"] for v in store.load()["gains"].values())
+    for bad in ({"1:sideways": 0.1}, {"0:trees": 0.1}, {"1:trees": -1.0}, {"1:trees": float("nan")}):
+        for v in data["gains"].values():
+            v["switch"] = bad
+        store.path.write_text(json.dumps(data))
+        assert store.load() is None and "switch" in store.refused
+
+
 def test_another_model_or_a_bad_file_is_not_trusted(cache_home, _gen):
     g1 = _gen()
     g1.generate(torch.arange(3, 11), budget="auto", max_new_tokens=12)
