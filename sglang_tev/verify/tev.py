@@ -89,6 +89,16 @@ def tev_verify_logits(tree: DraftTree, target_logits: torch.Tensor, sampling: Sa
         e = torch.add(x.amax(-1, keepdim=True).mul_(-inv_t), x, alpha=inv_t)  # x / T - max / T
         return e.exp_()
 
+    if n == 1:
+        # a root-only tree (a plain decoding step under budget auto): the exit is the root with
+        # probability 1 and the bonus is a draw from its law. The same ops on the same row as
+        # below (law_rows of row 0, then inverse_cdf with uniforms[:, 1]), so the same token;
+        # one pass over the vocabulary instead of two plus the child bookkeeping.
+        one = torch.ones(b, 1, dtype=dt, device=dev)
+        bonus = inverse_cdf(law_rows(target_logits[:, :1]).squeeze(1), uniforms[:, 1])
+        law = ExitLaw(one, one.clone(), one.clone(), torch.zeros(b, dtype=dt, device=dev))
+        return torch.zeros(b, dtype=torch.int64, device=dev), bonus, law
+
     is_child = tree.valid.clone()
     is_child[:, 0] = False
     par = tree.parents.clamp(min=0)

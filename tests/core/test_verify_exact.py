@@ -230,3 +230,42 @@ def test_greedy_host_walk_equals_tensor_walk(monkeypatch, walk, dtype):
     bad[0, 11, 2] = float("-inf")  # one -inf in a row is fine
     outs = [o.host(tree, check_finite=bad).first_nonfinite for o in both(bad)]
     assert outs == [[-1, -1, 4, 0]] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["T1", "T0.6", "top_k3_top_p0.8", "min_p0.2", "rows"])
+def test_root_only_tree_draws_what_the_general_path_draws(name, dtype):
+    """A root-only tree (a plain decoding step under budget auto) takes TEV's one-row path: the
+    exit is the root, the bonus the draw of uniforms[:, 1] from the root's law. It must equal the
+    general path on the same tree with a padded second node (no child, so the same law): exit node,
+    bonus and exit law, for scalar and per-row sampling parameters (greedy rows among them)."""
+    from sglang_tev.tree import DraftTree
+    from sglang_tev.verify.tev import tev_verify_logits
+
+    b, vocab = 64, 11
+    sampling = SAMPLINGS.get(name) or SamplingParams(
+        temperature=torch.linspace(0.0, 1.4, b, dtype=torch.float64),
+        top_k=torch.arange(b) % 4, top_p=torch.linspace(0.5, 1.0, b, dtype=torch.float64),
+        min_p=torch.linspace(0.0, 0.3, b, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(b, 2, vocab, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    roots = torch.randint(0, vocab, (b,), generator=gen)
+    u = torch.rand(b, 2, dtype=torch.float64, generator=gen)
+    one = DraftTree.from_parents(torch.full((b, 1), -1), roots.view(b, 1))
+    padded = DraftTree.from_parents(torch.tensor([[-1, 0]] * b), torch.stack([roots, roots], 1),
+                                    torch.tensor([[True, False]] * b))
+    ex1, bonus1, law1 = tev_verify_logits(one, logits[:, :1], sampling, u)
+    ex2, bonus2, law2 = tev_verify_logits(padded, logits, sampling, u)
+    assert torch.equal(ex1, torch.zeros(b, dtype=torch.int64)) and torch.equal(ex1, ex2)
+    assert torch.equal(bonus1, bonus2)
+    for a, c in ((law1.P, law2.P[:, :1]), (law1.rho, law2.rho[:, :1]), (law1.w, law2.w[:, :1]),
+                 (law1.coverage, law2.coverage)):
+        assert a.dtype == c.dtype and torch.equal(a, c)
+    # and the draw is the root's law: the bonus of every uniform is its inverse-CDF token
+    probs = processed_probs(logits[:, 0].to(torch.float64), sampling)
+    cdf = probs.cumsum(-1)
+    lo = torch.cat([torch.zeros(b, 1, dtype=torch.float64), cdf[:, :-1]], 1).gather(1, bonus1.view(b, 1)).squeeze(1)
+    hi = cdf.gather(1, bonus1.view(b, 1)).squeeze(1)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert bool(((u[:, 1] * cdf[:, -1] >= lo - tol) & (u[:, 1] * cdf[:, -1] <= hi + tol)).all())
+    assert bool((probs.gather(1, bonus1.view(b, 1)) > 0).all())
