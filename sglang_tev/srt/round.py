@@ -218,22 +218,26 @@ class TreeVerifyLayout:
         positions: int64 [bs * N], ``seq_lens[b] + depth`` of valid nodes; padded nodes sit at
             the root's position ``seq_lens[b]`` (no one attends to them), so a request whose tree
             is capped near the context limit feeds no position past its root's.
-        custom_mask: bool, FULL layout (:func:`tree_custom_mask`).
+        custom_mask: bool, FULL layout (:func:`tree_custom_mask`); None when not asked for (a
+            root-only round without graphs: causal attention is the tree's mask there).
         retrieve_index, retrieve_next_token, retrieve_next_sibling: int64 [bs, N].
         max_tree_depth: D + 1 (width of accepted paths, root included).
     """
 
     draft_token: torch.Tensor
     positions: torch.Tensor
-    custom_mask: torch.Tensor
+    custom_mask: torch.Tensor | None
     retrieve_index: torch.Tensor
     retrieve_next_token: torch.Tensor
     retrieve_next_sibling: torch.Tensor
     max_tree_depth: int
 
 
-def tree_verify_layout(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: int) -> TreeVerifyLayout:
-    """Everything the target's TARGET_VERIFY forward needs from the trees (see the module doc)."""
+def tree_verify_layout(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: int, with_mask: bool = True) -> TreeVerifyLayout:
+    """Everything the target's TARGET_VERIFY forward needs from the trees (see the module doc).
+    ``with_mask=False`` leaves the custom mask out (None): for root-only trees (N = 1), where
+    TARGET_VERIFY's causal attention without a mask (SGLang's chain-verify mode) is the same mask,
+    and building ``sum_b (seq_len_b + 1)`` all-True entries a round is only cost."""
     b, n = tree.parents.shape
     depth = torch.where(tree.valid, tree.depth, 0)  # padded nodes: depth 1 in the tree, here the root's position
     positions = depth + seq_lens.to(device=tree.device, dtype=torch.int64).view(b, 1)
@@ -241,7 +245,7 @@ def tree_verify_layout(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: in
     return TreeVerifyLayout(
         draft_token=tree.tokens.reshape(-1),
         positions=positions.reshape(-1),
-        custom_mask=tree_custom_mask(tree, seq_lens, seq_lens_sum),
+        custom_mask=tree_custom_mask(tree, seq_lens, seq_lens_sum) if with_mask else None,
         retrieve_index=ri,
         retrieve_next_token=nt,
         retrieve_next_sibling=ns,

@@ -416,7 +416,10 @@ class TEVWorker(DFlashWorkerV2):
         if served is not None and drafted is not None:
             round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(sampling, bs))
         N = tree.num_nodes  # this round's width: the capacity with a fixed budget
-        layout = tree_verify_layout(tree, prefix, seq_lens_sum)
+        graph_runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
+        # a root-only round (a plain step) without graphs verifies with causal attention, no mask
+        # (the same mask for one token; a graph captured with a mask must be replayed with one)
+        layout = tree_verify_layout(tree, prefix, seq_lens_sum, with_mask=not (N == 1 and graph_runner is None))
         # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
         # with its grammar state and fills one vocabulary mask per node (spec_utils.traverse_tree)
         grammar_tree = (
@@ -444,7 +447,6 @@ class TEVWorker(DFlashWorkerV2):
         )
         # a graph replay pads the batch to its bucket with seq_len = the backend's fill value;
         # give those rows an all-True mask segment, so the static mask buffer is defined everywhere
-        graph_runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
         padded_bs = graph_padded_batch_size(bs, graph_runner)
         custom_mask = layout.custom_mask
         if padded_bs is not None:
