@@ -565,6 +565,61 @@ def decide(deltas: list[float]) -> str:
     return "not shown"
 
 
+def ship_rule(rep: dict, keys: list[str]) -> dict:
+    """The pre-stated ship rule on a results JSON: per arm, the per-seed paired Δ % against the
+    shipped drafter at every setting and the decision rule's verdict (:func:`decide`); the arm with
+    the best mean ``1 + C_p`` at T = 0, B = 64 over its complete seeds; and whether it ships: a
+    shown gain at T0-B64 and no shown loss at T1-B64 (pending until every arm has every seed)."""
+    runs, d = rep["runs"], rep["design"]
+    base = runs.get("shipped", {}).get("eval", {})
+    arms = sorted(rep.get("arms") or ARMS)
+    table, means = {}, {}
+    for a in arms:
+        row = {}
+        for k in keys:
+            ds = []
+            for s in d["seeds"]:
+                ev = runs.get(name(a, s), {}).get("eval", {})
+                if k in ev and k in base:
+                    ds.append(paired(ev[k], base[k])[0])
+            row[k] = {"deltas": ds, "decision": decide(ds)}
+        table[a] = row
+        vals = [runs[name(a, s)]["eval"]["T0-B64"]["block_len"] for s in d["seeds"]
+                if "T0-B64" in runs.get(name(a, s), {}).get("eval", {})]
+        if len(vals) == len(d["seeds"]):
+            means[a] = statistics.mean(vals)
+    out = {"table": table, "means_T0_B64": means, "best": None, "ships": None}
+    if len(means) == len(arms) and "T0-B64" in keys and "T1-B64" in keys:
+        best = max(means, key=means.get)
+        row = table[best]
+        out["best"] = best
+        out["ships"] = row["T0-B64"]["decision"] == "shown: better" and row["T1-B64"]["decision"] != "shown: worse"
+    return out
+
+
+def ship_rule_lines(rep: dict, keys: list[str]) -> list[str]:
+    if "shipped" not in rep["runs"]:
+        return []
+    r = ship_rule(rep, keys)
+    seeds = rep["design"]["seeds"]
+    L = ["", "| arm − shipped (ship rule) | " + " | ".join(f"{k}: " + ", ".join(f"s{s}" for s in seeds) for k in keys)
+         + " | " + " | ".join(f"decision {k}" for k in keys) + " |", "| --- " * (1 + 2 * len(keys)) + "|"]
+    for a, row in r["table"].items():
+        L.append(f"| {a} − shipped | " + " | ".join("; ".join(f"{x:+.2f}" for x in row[k]["deltas"]) + " %"
+                                                    if row[k]["deltas"] else "-" for k in keys)
+                 + " | " + " | ".join(row[k]["decision"] for k in keys) + " |")
+    if r["best"] is None:
+        L += ["", "Ship rule: pending (every arm needs every seed evaluated)."]
+    else:
+        m = r["means_T0_B64"]
+        L += ["", f"Ship rule: best mean 1 + C_p at T0-B64 is arm {r['best']} ({m[r['best']]:.4f}; "
+              + ", ".join(f"{a} {v:.4f}" for a, v in sorted(m.items()) if a != r["best"]) + "); "
+              + (f"it ships (shown better than shipped at T0-B64, not shown worse at T1-B64)." if r["ships"] else
+                 f"it does not ship (T0-B64: {r['table'][r['best']]['T0-B64']['decision']}; "
+                 f"T1-B64: {r['table'][r['best']]['T1-B64']['decision']}); the shipped drafter stays the default.")]
+    return L
+
+
 def markdown(rep: dict) -> str:
     runs, d = rep["runs"], rep["design"]
     keys = [f"T{t:g}-B{b}" for t in d["eval_temperatures"] for b in d["eval_budgets"]]
@@ -617,6 +672,7 @@ def markdown(rep: dict) -> str:
             cells.append("; ".join(per) + " %")
             decisions.append(decide(ds))
         L.append(f"| {x} − {y} | " + " | ".join(cells) + " | " + " | ".join(decisions) + " |")
+    L += ship_rule_lines(rep, keys)
     L += ["", "| run | median step (ms) | draft | build | tree forward | backward | train wall (s) |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
     for rn, r in runs.items():

@@ -76,6 +76,42 @@ def test_report_from_a_results_json_pairs_arms_per_seed(X, monkeypatch):
         X.paired(_eval([2.0] * 3)["T0-B64"], _eval([2.0] * 3, positions=(1, 2, 3))["T0-B64"])
 
 
+def test_ship_rule_takes_the_best_arm_at_t0_b64_and_needs_a_shown_gain_and_no_shown_loss(X, monkeypatch):
+    """The pre-stated ship rule on a results JSON: the arm of the best mean 1 + C_p at T0-B64
+    ships only if it beats the shipped drafter there by a shown effect (every seed) and is not
+    shown worse at T1-B64; pending while any arm lacks a seed."""
+    def ev(t0, t1, bl):
+        e = _eval(t0)
+        e["T0-B64"]["block_len"] = bl
+        e["T1-B64"] = dict(_eval(t1)["T0-B64"])
+        return e
+
+    seeds = [0, 1]
+    monkeypatch.setitem(X.DESIGN, "seeds", seeds)  # the decision rule counts the recipe's seeds
+    design = dict(X.DESIGN, seeds=seeds, eval_temperatures=[0.0, 1.0], eval_budgets=[64])
+    keys = ["T0-B64", "T1-B64"]
+
+    def rep(d_t1):
+        runs = {"shipped": {"eval": ev([2.0, 2.0, 2.0], [1.5, 1.5, 1.5], 2.0)}}
+        for s in seeds:
+            runs[f"A-s{s}"] = {"eval": ev([2.0, 2.0, 1.98 + 0.01 * s], [1.5, 1.5, 1.5], 1.99)}
+            runs[f"C-s{s}"] = {"eval": ev([2.1, 2.0, 2.0], [1.5, 1.51, 1.49 + 0.02 * s], 2.02)}
+            runs[f"D-s{s}"] = {"eval": ev([2.3, 2.2, 2.25 + 0.01 * s], d_t1(s), 2.2)}
+        return {"design": design, "arms": {"A": {}, "C": {}, "D": {}}, "runs": runs}
+
+    r = X.ship_rule(rep(lambda s: [1.5, 1.49, 1.51]), keys)
+    assert r["best"] == "D" and r["ships"] is True
+    assert r["table"]["D"]["T0-B64"]["decision"] == "shown: better"
+    r = X.ship_rule(rep(lambda s: [1.4, 1.41, 1.4 + 0.01 * s]), keys)  # D costs mass at T = 1 on every seed
+    assert r["best"] == "D" and r["table"]["D"]["T1-B64"]["decision"] == "shown: worse" and r["ships"] is False
+    md = "\n".join(X.ship_rule_lines(rep(lambda s: [1.4, 1.41, 1.4 + 0.01 * s]), keys))
+    assert "does not ship" in md and "| D − shipped |" in md
+    partial = rep(lambda s: [1.5, 1.49, 1.51])
+    del partial["runs"]["C-s1"]
+    r = X.ship_rule(partial, keys)
+    assert r["best"] is None and r["ships"] is None and "pending" in r["table"]["C"]["T0-B64"]["decision"]
+
+
 def test_a_schedule_change_keeps_the_data_stage_until_a_run_is_trained(X, tmp_path):
     old = json.loads(json.dumps(X.DESIGN))
     assert X.design_conflict(old, tmp_path) is None
