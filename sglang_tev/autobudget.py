@@ -24,7 +24,11 @@ gain — then plain decoding and the middle of the grid once each) and probes pa
 exploration allowance (``explore_share`` of the decoding time): gain probes (a larger budget
 than the best tree) and cost probes (the other regime: plain decoding while trees win, the trees
 while plain decoding wins) in turn; a probe nearly as good as the choice is nearly free and runs
-often, one far worse runs rarely. A switch between plain decoding and the trees is a trial: the
+often, one far worse runs rarely (while plain decoding wins, a tree whose probe would lose more
+than ``stale_loss`` times the best tree's is not probed at all: it would hold up the others); an
+across probe also pays the measured price of the two switches it causes. A gain step seen again
+after many rounds moves by more than one observation's weight (acceptance drifts within a
+request). A switch between plain decoding and the trees is a trial: the
 other regime's costs come from single probe rounds, each timed in its own minute, so the switch
 runs a few rounds first and is kept only if their tokens per second beat the regime before it
 by the regime margin, both timed in the same minute; a failed trial waits 32 rounds, doubling
