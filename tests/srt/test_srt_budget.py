@@ -122,10 +122,10 @@ def test_a_follower_needs_a_broadcast():
         ServedBudget(16, 8, leader=False)
 
 
-def _serve_round(served, all_greedy: bool, ratio: float, g, tree_extra: float = 0.0) -> int:
+def _serve_round(served, all_greedy: bool, ratio: float, g, tree_extra: float = 0.0, gap: float = 0.0) -> int:
     """One synthetic round of batch 2: node i of a tree is reached with probability ``ratio ** i``;
-    the round costs 1 ms plus 0.1 ms per node, plus ``tree_extra`` seconds when it has a tree.
-    Returns its width."""
+    the round costs 1 ms plus 0.1 ms per node, plus ``tree_extra`` seconds when it has a tree;
+    ``gap`` seconds pass after it (SGLang's work before the next round). Returns its width."""
     plan = served.plan(2, all_greedy)
     tree, drafted = root_only_tree(torch.tensor([1, 2])), None
     if plan.budget:
@@ -137,6 +137,7 @@ def _serve_round(served, all_greedy: bool, ratio: float, g, tree_extra: float = 
     cum = None if drafted is None else [[sum(r[1:x + 1]) for x in plan.reach_at] for r in reach]
     served.clock.now += 0.001 * (1 + 0.1 * n) + (tree_extra if n > 1 else 0.0)
     served.observe(plan, cum, reach if drafted is not None else None)
+    served.clock.now += gap
     return plan.budget
 
 
@@ -173,6 +174,26 @@ def test_greedy_and_sampled_batches_keep_their_own_controllers():
     _serve_rounds(control, 150, True, 0.8, g)
     mixed = _serve_rounds(control, 150, True, 0.05, g)  # the same sampled rounds, read as one law
     assert sum(w > 0 for w in mixed[-100:]) > sum(w > 0 for w in sampled[-100:]), (mixed[-100:], sampled[-100:])
+
+
+def test_each_round_is_charged_the_schedulers_work_between_rounds():
+    """Every step pays SGLang's work outside the round once (the median gap from a round's end to
+    the next one's start), so the cost of a round is its own seconds plus that. Here trees cost 2 ms
+    more than a plain step (1.1 ms) and gain ~0.65 tokens: counted alone they lose to plain steps,
+    but with 8 ms of scheduler work per step they win by ~30 %, and the server runs them. An idle
+    second between requests now and then does not move the median."""
+    g = torch.Generator().manual_seed(0)
+    alone = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    widths = [_serve_round(alone, True, 0.4, g, tree_extra=0.002) for _ in range(300)]
+    assert sum(w == 0 for w in widths[-100:]) >= 90 and alone.overhead == 0.0  # no gap: plain steps win
+    served = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    widths = [_serve_round(served, True, 0.4, g, tree_extra=0.002, gap=1.0 if k % 50 == 49 else 0.008)
+              for k in range(300)]
+    assert served.overhead == pytest.approx(0.008)
+    assert sum(w > 0 for w in widths[-100:]) >= 90, widths[-100:]
+    plan = served.plan(2, True)
+    served.clock.now += 0.001
+    assert served.observe(plan, None, None) == pytest.approx(0.001 + 0.008)  # what the planner was charged
 
 
 def _serve_law_blocks(served, blocks: int, g) -> tuple[list[int], list[int]]:
