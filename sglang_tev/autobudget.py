@@ -75,6 +75,13 @@ def _monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
     return [(b, sw / ww) for sw, ww, bs in blocks for b in bs]
 
 
+SWITCH_CAP = 2.0
+"""A switch's price (:attr:`BudgetController.switch`) counts at most this many times the round it
+precedes. Within that bound it is what was measured; the bound keeps one stall on a switch round
+(or a price carried in from another process's plan cache) from making every across probe
+unaffordable, after which the price would never be measured again."""
+
+
 @dataclass
 class CostTable:
     """Seconds per round by (batch size, budget), measured on this machine.
@@ -356,7 +363,7 @@ class BudgetController:
         stale_loss: while plain decoding wins, the across probes re-time only trees whose probe
             loses at most this many times the best tree's (:meth:`probe_kinds`).
         stale_weight: the most one round's coverage moves a gain step last observed many rounds
-            ago (:meth:`learn_gains`).
+            ago (:meth:`learn_gains`); None: ``max(0.5, alpha)``.
 
     Attributes:
         gain: ``{budget: mean accepted draft tokens}`` (shared by every batch size).
@@ -372,7 +379,7 @@ class BudgetController:
 
     def __init__(self, grid: Sequence[int], costs: CostTable, explore_share: float = 0.005, min_gap: int = 6,
                  alpha: float = 0.05, margin: float = 0.03, regime_margin: float = 0.10, trial_rounds: int = 5,
-                 stale_loss: float = 4.0, stale_weight: float = 0.5) -> None:
+                 stale_loss: float = 4.0, stale_weight: float | None = None) -> None:
         g = sorted(set(int(x) for x in grid))
         if not g or g[0] < 0 or g[-1] < 1:
             raise ValueError(f"grid: budgets >= 0 with at least one > 0, got {list(grid)!r}")
@@ -382,10 +389,14 @@ class BudgetController:
             raise ValueError(f"min_gap must be >= 1, got {min_gap!r}")
         if trial_rounds < 2:
             raise ValueError(f"trial_rounds must be >= 2, got {trial_rounds!r}")
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         if not stale_loss >= 1:
             raise ValueError(f"stale_loss must be >= 1, got {stale_loss!r}")
+        if stale_weight is None:
+            stale_weight = max(0.5, alpha)
         if not alpha <= stale_weight <= 1:
-            raise ValueError(f"stale_weight must be in [alpha, 1], got {stale_weight!r}")
+            raise ValueError(f"stale_weight must be in [alpha={alpha}, 1], got {stale_weight!r}")
         self.grid, self.costs = g, costs
         self.alpha, self.margin, self.regime_margin = alpha, margin, regime_margin
         self.explore_share, self.min_gap, self.trial_rounds = explore_share, int(min_gap), int(trial_rounds)
@@ -592,11 +603,20 @@ class BudgetController:
         """The seconds (table scale) a probe is expected to lose against ``best``: its cost times
         one minus its rate over best's (0 for a faster probe); for an across probe twice that (it
         runs two rounds) plus both switches' price as measured (:attr:`switch`: into the probe's
-        regime and back). Both rates must be known."""
+        regime and back, each at most :data:`SWITCH_CAP` times the round it precedes: a stall on a
+        switch round, or a price from another process's plan cache, must not stop the probes that
+        would measure it again). Both rates must be known."""
         loss = self.costs.cost(batch, probe) * max(0.0, 1.0 - self.rate(batch, probe) / self.rate(batch, best))
         if (probe == 0) != (best == 0):
-            loss = 2 * loss + self.switch.get((batch, probe > 0), 0.0) + self.switch.get((batch, best > 0), 0.0)
+            loss = 2 * loss + self.switch_price(batch, probe) + self.switch_price(batch, best)
         return loss
+
+    def switch_price(self, batch: int, into: int) -> float:
+        """What the first round of budget ``into`` after a switch of regime costs beyond that
+        round (:attr:`switch`), at most :data:`SWITCH_CAP` times its cost; 0 while unmeasured."""
+        price = self.switch.get((batch, into > 0), 0.0)
+        c = self.costs.cost(batch, into)
+        return min(price, SWITCH_CAP * c) if c is not None else 0.0
 
     def take_probe(self, batch: int, st: BatchSizeState) -> int | None:
         """The probe this round runs, paid from the allowance (:meth:`next_probe`,
@@ -684,7 +704,7 @@ class BudgetController:
             # ... what it pays beyond the round is the switch's price, charged to the probes that
             # switch (:meth:`probe_loss`): after a long plain stretch the drafter catches up on
             # every token since its last round
-            excess = max(0.0, seconds / self.costs.current_load() - c)
+            excess = min(max(0.0, seconds / self.costs.current_load() - c), SWITCH_CAP * c)
             key = (batch, budget > 0)
             prev = self.switch.get(key)
             self.switch[key] = excess if prev is None else prev + self.switch_alpha * (excess - prev)

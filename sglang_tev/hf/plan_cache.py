@@ -140,16 +140,27 @@ class PlanCache:
         atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True))
 
 
+def _number(x) -> float:
+    """A finite JSON number (not a bool) as a float, else ValueError."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"not a finite number: {x!r}")
+    return float(x)
+
+
 def _check_gains(v: dict) -> dict:
-    inc = {int(b): float(x) for b, x in v["inc"].items()}
+    inc = {int(b): _number(x) for b, x in v["inc"].items()}
     n = {int(b): int(x) for b, x in v["n"].items()}
     if any(b < 0 or x < 0 for b, x in inc.items()) or any(x < 0 for x in n.values()):
         raise ValueError("gains out of range")
-    switch = {str(k): float(x) for k, x in v.get("switch", {}).items()}  # absent in older caches
-    for k, x in switch.items():
-        batch, _, into = k.partition(":")
-        if into not in ("trees", "plain") or int(batch) < 1 or not (math.isfinite(x) and x >= 0):
-            raise ValueError("switch prices out of range")
+    switch = {}
+    try:
+        for k, x in (v.get("switch") or {}).items():  # absent in caches written before it was kept
+            batch, _, into = str(k).partition(":")
+            if into not in ("trees", "plain") or not batch.isdigit() or int(batch) < 1 or _number(x) < 0:
+                raise ValueError(f"{k!r}: {x!r}")
+            switch[str(k)] = float(x)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"switch prices out of range ({e})") from None
     return {"inc": inc, "n": n, "switch": switch}
 
 

@@ -37,7 +37,9 @@ Cost: the round's wall seconds, from the round's start to its end, after the rou
 (the decision and the reach labels in one transfer, :meth:`VerifyOutput.host`); on CUDA that read is
 a device sync per round (not measured on a GPU yet), on CPU it costs nothing. Plus SGLang's own work
 per step outside the worker (result processing, streaming, the next batch's preparation): the
-median of the recent gaps between a round's end and the next round's start. Every step pays it
+lower quartile of the recent gaps between a round's end and the next round's start (idle time and
+prefills between rounds only lengthen a gap, and with short requests they are up to half of
+them). Every step pays it
 once whatever its width, so leaving it out favoured the cheaper rounds (plain steps, narrow trees)
 over the ones that emit more tokens per step: on the CPU server a plain step's in-worker time was
 ~10 ms of a ~12 ms step.
@@ -46,7 +48,6 @@ over the ones that emit more tokens per step: on the CPU server a plain step's i
 from __future__ import annotations
 
 import numbers
-import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -118,7 +119,7 @@ class ServedBudget:
         self._t0: float | None = None
         self._t_end: float | None = None  # when the last round closed
         self._gaps: list[float] = []      # the last 64 gaps from a round's end to the next one's start
-        self.overhead = 0.0               # their median: SGLang's work per step outside the round
+        self.overhead = 0.0               # their lower quartile: SGLang's work per step outside the round
         self.rounds = 0
 
     @property
@@ -170,8 +171,9 @@ class ServedBudget:
             self._gaps.append(max(0.0, self._t0 - self._t_end))
             del self._gaps[:-64]
             self._t_end = None
-            # the median: an idle minute or a prefill between two rounds is an outlier here
-            self.overhead = statistics.median(self._gaps)
+            # the lower quartile: idle time and prefills between rounds only ever lengthen a gap,
+            # and with short requests they can be half of them (a median would read idle time)
+            self.overhead = sorted(self._gaps)[len(self._gaps) // 4]
         self.law = LAWS[0] if all_greedy else LAWS[1]
         plan = self._adopt(self.planner.plan(bs) if self.leader else None)
         if len(plan.budgets) != bs:

@@ -22,7 +22,9 @@ measured price of the switches they cause (the first round after a switch, beyon
 round); in these models a switch costs nothing but the noise's 3x bursts, and against the
 session's start the three changes together moved cpu_default -2.9 % to +1.9 % (mean -0.7 %),
 regime_flips -4.4 % to +2.7 % (mean -0.3 %), trial_fails -0.1 % to +1.3 %, interleaved -0.9 % to
-+0.7 %, frozen -0.1 %, no_plain 0.
++0.7 %, frozen -0.1 %, no_plain 0. A switch's price was then capped at 2 rounds (a noise burst on a
+switch round had made regime_flips seed 4 miss a flip): regime_flips -3.5 % to +4.6 % (mean
++1.8 %) against the session's start, the others as before.
 
 Torch-free: the controller is host code."""
 
@@ -180,12 +182,12 @@ EXPECTED: dict[str, dict] = {  # seed 0; re-recorded when a tree's cost lent acr
             "2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*4 2:16*3 2:0*2 2:64*3 2:16 2:64*3 2:0*2 2:64*3 2:0*2 "
             "2:64*3 2:16 2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*3 2:0*2 "
             "2:64*3 2:0*2 2:64*3 2:16 2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 "
-            "2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*7 2:0*2 2:64*11 "
-            "2:0*2 2:64*3 2:16 2:64*11 2:0*2 2:64*31 2:0*2 2:64*3 2:16 2:64*21"
+            "2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*3 2:0*2 2:64*3 2:0*2 2:64*3 2:16 2:64*7 2:0*2 2:64*7 "
+            "2:0*2 2:64*3 2:16 2:64*19 2:0*2 2:64*19 2:0*2 2:64*3 2:16 2:64*19 2:0*2 2:64*8"
         ),
         "trials": [(1, 0, 64, True)],
-        "gain": {4: 0.295001421, 16: 0.714732046, 64: 1.031904561},
-        "digest": "8c3e0cba73033795",
+        "gain": {4: 0.285153398, 16: 0.727937687, 64: 0.984046613},
+        "digest": "cf298b071aa101d8",
     },
     "trial_fails": {
         "choices": (
@@ -286,8 +288,8 @@ def test_replay_digests_over_more_seeds(name):
 
 DIGESTS: dict[str, list[str]] = {  # seeds 1-4, recorded with EXPECTED
     "cpu_default": ["35d923ab9c9dea04", "609fb51c60bb1e50", "d8fee31eeb195093", "f0498f424c541f8c"],
-    "regime_flips": ["7f7d3a6e6ae92a86", "c28d8f50964ad5d8", "89b5c150328cb312", "fcf9207ae4eb7530"],
-    "trial_fails": ["97ef6801fb714d96", "8f304671886a1c85", "9bcdcc3e8983c08f", "d65c70dccf303f78"],
+    "regime_flips": ["429a2852f47eb8d1", "ef844c9a75af9d3e", "96a64a757190e34f", "dd339a37625c7c32"],
+    "trial_fails": ["97ef6801fb714d96", "83a5c7a435eb24ff", "9bcdcc3e8983c08f", "fba0322b6538595b"],
     "interleaved": ["1a205125fefa771e", "2aceeb040f4330ec", "e1f87f2c61092995", "5b46a3d387541e98"],
     "frozen": ["3adb7c606e32ed01", "f6c6053e4dc04a09", "f9bf84820286cb0b", "2b1aec5d71119766"],
     "no_plain": ["a3a5b5ea93e44e76", "c94e78796e6fd5ad", "15f94b2558b6c612", "f43d54e2c504ab7b"],

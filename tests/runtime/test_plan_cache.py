@@ -77,11 +77,17 @@ def test_the_switch_prices_are_kept_and_checked(cache_home, _gen):
         v.pop("switch")
     store.path.write_text(json.dumps(data))
     assert store.load() is not None and all(not v["switch"] for v in store.load()["gains"].values())
-    for bad in ({"1:sideways": 0.1}, {"0:trees": 0.1}, {"1:trees": -1.0}, {"1:trees": float("nan")}):
+    for bad in ({"1:sideways": 0.1}, {"0:trees": 0.1}, {"1:trees": -1.0}, {"1:trees": float("nan")},
+                {"x:trees": 0.1}, {"1:trees": True}, {"1:trees": [0.1]}, [0.1]):
         for v in data["gains"].values():
             v["switch"] = bad
         store.path.write_text(json.dumps(data))
-        assert store.load() is None and "switch" in store.refused
+        assert store.load() is None and "switch" in store.refused, bad
+    for v in data["gains"].values():  # and a gain that is not a finite number
+        v.pop("switch")
+        v["inc"] = {b: float("nan") for b in v["inc"]}
+    store.path.write_text(json.dumps(data))
+    assert store.load() is None and "finite" in store.refused
 
 
 def test_another_model_or_a_bad_file_is_not_trusted(cache_home, _gen):

@@ -180,8 +180,8 @@ def test_each_round_is_charged_the_schedulers_work_between_rounds():
     """Every step pays SGLang's work outside the round once (the median gap from a round's end to
     the next one's start), so the cost of a round is its own seconds plus that. Here trees cost 2 ms
     more than a plain step (1.1 ms) and gain ~0.65 tokens: counted alone they lose to plain steps,
-    but with 8 ms of scheduler work per step they win by ~30 %, and the server runs them. An idle
-    second between requests now and then does not move the median."""
+    but with 8 ms of scheduler work per step they win by ~30 %, and the server runs them. Idle
+    seconds between requests (even after every other round) are not read as that work."""
     g = torch.Generator().manual_seed(0)
     alone = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
     widths = [_serve_round(alone, True, 0.4, g, tree_extra=0.002) for _ in range(300)]
@@ -191,6 +191,10 @@ def test_each_round_is_charged_the_schedulers_work_between_rounds():
               for k in range(300)]
     assert served.overhead == pytest.approx(0.008)
     assert sum(w > 0 for w in widths[-100:]) >= 90, widths[-100:]
+    # short requests: an idle second after every other round is half the gaps, still not the overhead
+    short = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
+    widths = [_serve_round(short, True, 0.1, g, tree_extra=0.002, gap=1.0 if k % 2 else 0.008) for k in range(300)]
+    assert short.overhead == pytest.approx(0.008) and sum(w == 0 for w in widths[-100:]) >= 90
     plan = served.plan(2, True)
     served.clock.now += 0.001
     assert served.observe(plan, None, None) == pytest.approx(0.001 + 0.008)  # what the planner was charged

@@ -76,7 +76,7 @@ def test_report_from_a_results_json_pairs_arms_per_seed(X, monkeypatch):
         X.paired(_eval([2.0] * 3)["T0-B64"], _eval([2.0] * 3, positions=(1, 2, 3))["T0-B64"])
 
 
-def test_ship_rule_takes_the_best_arm_at_t0_b64_and_needs_a_shown_gain_and_no_shown_loss(X, monkeypatch):
+def test_ship_rule_takes_the_best_arm_at_t0_b64_and_needs_a_shown_gain_and_no_shown_loss(X):
     """The pre-stated ship rule on a results JSON: the arm of the best mean 1 + C_p at T0-B64
     ships only if it beats the shipped drafter there by a shown effect (every seed) and is not
     shown worse at T1-B64; pending while any arm lacks a seed."""
@@ -86,9 +86,8 @@ def test_ship_rule_takes_the_best_arm_at_t0_b64_and_needs_a_shown_gain_and_no_sh
         e["T1-B64"] = dict(_eval(t1)["T0-B64"])
         return e
 
-    seeds = [0, 1]
-    monkeypatch.setitem(X.DESIGN, "seeds", seeds)  # the decision rule counts the recipe's seeds
-    design = dict(X.DESIGN, seeds=seeds, eval_temperatures=[0.0, 1.0], eval_budgets=[64])
+    seeds = [0, 1]  # the results' design, not the recipe's (three seeds), sets what "every seed" is
+    design = dict(X.DESIGN, seeds=seeds, eval_temperatures=[0.0, 1.0], eval_budgets=[64], start_draft="draft2")
     keys = ["T0-B64", "T1-B64"]
 
     def rep(d_t1):
@@ -106,6 +105,9 @@ def test_ship_rule_takes_the_best_arm_at_t0_b64_and_needs_a_shown_gain_and_no_sh
     assert r["best"] == "D" and r["table"]["D"]["T1-B64"]["decision"] == "shown: worse" and r["ships"] is False
     md = "\n".join(X.ship_rule_lines(rep(lambda s: [1.4, 1.41, 1.4 + 0.01 * s]), keys))
     assert "does not ship" in md and "| D − shipped |" in md
+    v1 = rep(lambda s: [1.4, 1.41, 1.4 + 0.01 * s])  # the v1 design had its own rule (a realized-τ gain)
+    v1["design"] = {k: v for k, v in design.items() if k != "start_draft"}
+    assert X.ship_rule_lines(v1, keys) == []
     partial = rep(lambda s: [1.5, 1.49, 1.51])
     del partial["runs"]["C-s1"]
     r = X.ship_rule(partial, keys)
