@@ -524,8 +524,10 @@ def collect(out: Path, results: Path) -> dict:
         if (rd / "eval" / "results.json").exists():
             rec["eval"] = load_eval(rd / "eval" / "results.json")
         if (rd / "bench" / "results.json").exists():
-            rec["tau"] = {f"T{r['temperature']:g}-B{r['budget']}": r["tau"]
-                          for r in json.loads((rd / "bench" / "results.json").read_text()) if r["method"] == "tev"}
+            bench = [r for r in json.loads((rd / "bench" / "results.json").read_text()) if r["method"] == "tev"]
+            rec["tau"] = {f"T{r['temperature']:g}-B{r['budget']}": r["tau"] for r in bench}
+            rec["tokens_per_s"] = {f"T{r['temperature']:g}-B{r['budget']}": r["tokens_per_s"] for r in bench
+                                   if r.get("tokens_per_s") is not None}
         log = rd / "train_log.jsonl"
         if log.exists():
             recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
@@ -650,6 +652,11 @@ def markdown(rep: dict) -> str:
         if rn != "shipped" and not ("eval" in r and "tau" in r):
             steps = f"{steps} (partial: its session ended first; it is retrained)"  # runs/ is not committed
         L.append(f"| {rn} | {steps} | " + " | ".join(cells) + " |")
+    speed = {rn: r["tokens_per_s"] for rn, r in runs.items() if r.get("tokens_per_s")}
+    if speed:  # bench's tok/s (one thread, one repeat; wall time moves with the machine's load)
+        skeys = sorted({k for v in speed.values() for k in v})
+        L += ["", "| run | " + " | ".join(f"tok/s {k}" for k in skeys) + " |", "| --- " * (1 + len(skeys)) + "|"]
+        L += [f"| {rn} | " + " | ".join(f"{v[k]:.1f}" if k in v else "-" for k in skeys) + " |" for rn, v in speed.items()]
     L += ["", "| run | setting | exit at root | inner nodes | budget-cut leaves | horizon | depth 1 | depth 2 | depth 3 |",
           "| --- " * 9 + "|"]
     for rn, r in runs.items():
