@@ -147,6 +147,20 @@ def _number(x) -> float:
     return float(x)
 
 
+def _switch_name(batch: int, into_trees: bool) -> str:
+    """A switch price's key in the cache file: ``"batch:trees"`` / ``"batch:plain"``."""
+    return f"{batch}:{'trees' if into_trees else 'plain'}"
+
+
+def _switch_key(name: str) -> tuple[int, bool]:
+    """:func:`_switch_name` read back as the controller's ``(batch, into trees)``; ValueError for
+    anything else."""
+    batch, _, into = str(name).partition(":")
+    if into not in ("trees", "plain") or not batch.isdigit() or int(batch) < 1:
+        raise ValueError(f"{name!r}")
+    return int(batch), into == "trees"
+
+
 def _check_gains(v: dict) -> dict:
     inc = {int(b): _number(x) for b, x in v["inc"].items()}
     n = {int(b): int(x) for b, x in v["n"].items()}
@@ -155,8 +169,8 @@ def _check_gains(v: dict) -> dict:
     switch = {}
     try:
         for k, x in (v.get("switch") or {}).items():  # absent in caches written before it was kept
-            batch, _, into = str(k).partition(":")
-            if into not in ("trees", "plain") or not batch.isdigit() or int(batch) < 1 or _number(x) < 0:
+            _switch_key(k)
+            if _number(x) < 0:
                 raise ValueError(f"{k!r}: {x!r}")
             switch[str(k)] = float(x)
     except (ValueError, AttributeError, TypeError) as e:
@@ -168,7 +182,7 @@ def controller_gains(ctl) -> dict:
     """A :class:`~sglang_tev.autobudget.BudgetController`'s learned gains (and the switch prices
     its across probes pay, ``"batch:trees"`` / ``"batch:plain"``) as JSON-able dicts."""
     return {"inc": {str(b): x for b, x in ctl._inc.items()}, "n": {str(b): x for b, x in ctl._n.items()},
-            "switch": {f"{b}:{'trees' if into else 'plain'}": x for (b, into), x in ctl.switch.items()}}
+            "switch": {_switch_name(b, into): x for (b, into), x in ctl.switch.items()}}
 
 
 def restore_gains(ctl, saved: dict) -> None:
@@ -176,7 +190,7 @@ def restore_gains(ctl, saved: dict) -> None:
     ``ctl``: the per-step increments, their counts, and the cumulative gains rebuilt from them."""
     ctl._inc = {int(b): float(x) for b, x in saved["inc"].items() if int(b) in ctl.grid}
     ctl._n = {int(b): int(x) for b, x in saved["n"].items() if int(b) in ctl.grid}
-    ctl.switch = {(int(k.partition(":")[0]), k.endswith(":trees")): float(x) for k, x in saved.get("switch", {}).items()}
+    ctl.switch = {_switch_key(k): float(x) for k, x in saved.get("switch", {}).items()}
     total = 0.0
     ctl.gain = {}
     for b in ctl.grid_upto(ctl.max_budget):
