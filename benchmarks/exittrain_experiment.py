@@ -569,23 +569,29 @@ def decide(deltas: list[float], n_seeds: int | None = None) -> str:
     return "not shown"
 
 
+def seed_pairs(runs: dict, seeds: list[int], x: str, y: str, key: str) -> list[tuple[float, float] | None]:
+    """Per seed, :func:`paired` (Δ %, SE) of arm ``x`` against arm ``y`` (``"shipped"``: the one
+    unseeded run) at setting ``key``; None for a seed where either is not evaluated."""
+    out = []
+    for s in seeds:
+        ex = runs.get(name(x, s), {}).get("eval", {})
+        ey = runs.get(y if y == "shipped" else name(y, s), {}).get("eval", {})
+        out.append(paired(ex[key], ey[key]) if key in ex and key in ey else None)
+    return out
+
+
 def ship_rule(rep: dict, keys: list[str]) -> dict:
     """The pre-stated ship rule on a results JSON: per arm, the per-seed paired Δ % against the
     shipped drafter at every setting and the decision rule's verdict (:func:`decide`); the arm with
     the best mean ``1 + C_p`` at T = 0, B = 64 over its complete seeds; and whether it ships: a
     shown gain at T0-B64 and no shown loss at T1-B64 (pending until every arm has every seed)."""
     runs, d = rep["runs"], rep["design"]
-    base = runs.get("shipped", {}).get("eval", {})
     arms = sorted(rep.get("arms") or ARMS)
     table, means = {}, {}
     for a in arms:
         row = {}
         for k in keys:
-            ds = []
-            for s in d["seeds"]:
-                ev = runs.get(name(a, s), {}).get("eval", {})
-                if k in ev and k in base:
-                    ds.append(paired(ev[k], base[k])[0])
+            ds = [p[0] for p in seed_pairs(runs, d["seeds"], a, "shipped", k) if p is not None]
             row[k] = {"deltas": ds, "decision": decide(ds, len(d["seeds"]))}
         table[a] = row
         vals = [runs[name(a, s)]["eval"]["T0-B64"]["block_len"] for s in d["seeds"]
@@ -671,16 +677,9 @@ def markdown(rep: dict) -> str:
     for x, y in contrasts(rep.get("arms")):
         cells, decisions = [], []
         for k in keys:
-            ds = []
-            per = []
-            for s in d["seeds"]:
-                ex, ey = runs.get(name(x, s), {}).get("eval", {}), runs.get(name(y, s), {}).get("eval", {})
-                if k in ex and k in ey:
-                    diff, se = paired(ex[k], ey[k])
-                    ds.append(diff)
-                    per.append(f"{diff:+.2f} ± {se:.2f}")
-                else:
-                    per.append("-")
+            pairs = seed_pairs(runs, d["seeds"], x, y, k)
+            ds = [p[0] for p in pairs if p is not None]
+            per = [f"{p[0]:+.2f} ± {p[1]:.2f}" if p is not None else "-" for p in pairs]
             cells.append("; ".join(per) + " %")
             decisions.append(decide(ds, len(d["seeds"])))
         L.append(f"| {x} − {y} | " + " | ".join(cells) + " | " + " | ".join(decisions) + " |")
