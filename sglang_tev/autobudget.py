@@ -44,13 +44,12 @@ i.e. with a fixed cost table (:class:`CostTable` ``frozen``, e.g. from ``sglang-
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Sequence
 
+from .costs import CostTable  # the cost table lives in its own module; it is part of this one's API
 from .spec import AUTO, MAX_BUDGET  # the largest budget anywhere, cost tables included
 
 __all__ = ["AUTO", "DEFAULT_GRID", "MAX_BUDGET", "CostTable", "BudgetController", "BatchSizeState", "Trial"]
@@ -60,225 +59,11 @@ DEFAULT_GRID = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 default ``max_budget``."""
 
 
-def _monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
-    """Weighted isotonic (non-decreasing) fit of ``(budget, seconds, weight)`` sorted by budget,
-    by pooling adjacent violators: a larger tree never costs less, so two noisy medians in the
-    wrong order are replaced by their weighted mean."""
-    blocks: list[list] = []  # [sum w*s, sum w, budgets]
-    for b, s, w in points:
-        blocks.append([s * w, w, [b]])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            sw, ww, bs = blocks.pop()
-            blocks[-1][0] += sw
-            blocks[-1][1] += ww
-            blocks[-1][2] += bs
-    return [(b, sw / ww) for sw, ww, bs in blocks for b in bs]
-
-
 SWITCH_CAP = 2.0
 """A switch's price (:attr:`BudgetController.switch`) counts at most this many times the round it
 precedes. Within that bound it is what was measured; the bound keeps one stall on a switch round
 (or a price carried in from another process's plan cache) from making every across probe
 unaffordable, after which the price would never be measured again."""
-
-
-@dataclass
-class CostTable:
-    """Seconds per round by (batch size, budget), measured on this machine.
-
-    Each (batch, budget) keeps its last ``window`` round times (the first one of a pair is dropped
-    once a second arrives: the first round of a new shape allocates). The cost of a tree budget
-    is read from a monotone fit across budgets: the weighted medians, made non-decreasing in the
-    budget (:func:`_monotone`), interpolated linearly between measured budgets, extended above
-    the largest by the last segment's slope and below the smallest by the fit's mean slope (not
-    below the plain round's cost; held flat while that is untimed). So every tree
-    round informs every tree budget (a CPU's round times grow by a fraction of a percent per
-    node, less than the noise of one budget's rounds), while a GPU's flat-then-rising cost keeps
-    its shape.
-
-    The machine's load. A shared machine runs the same round 1.5-2x slower in a busy minute, and a
-    budget timed only by occasional probes would carry the minute it was timed in. So each round
-    time is divided by the load of its minute before it is stored: the median of the last 8 raw
-    times of the pair timed most in the last 16 rounds (the budget in use), over the median of
-    its last 64 (clipped to [1/2, 4]; 1 until that pair has 16 times). A probe's round is then read
-    against the rounds it is compared with, and every cost is at the budget in use's usual load.
-
-    Attributes:
-        seconds: ``{batch: {budget: seconds}}``, the median of each pair's recent rounds (in the
-            table's load-free scale).
-        counts: ``{batch: {budget: rounds measured}}``.
-        frozen: when True :meth:`record` ignores new rounds (a table from ``sglang-tev tune``;
-            repeated calls then choose the same budgets, so seeded runs repeat).
-        window: measurements per pair the median is taken over.
-        load_correction: divide round times by the load of their minute (above); off, the
-            medians of raw times.
-        stamp: rounds recorded so far; ``last``: ``{(batch, budget): stamp of its last round}``.
-    """
-
-    seconds: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)
-    frozen: bool = False
-    window: int = 15
-    load_correction: bool = True
-    stamp: int = 0
-    last: dict = field(default_factory=dict, repr=False)
-    _recent: dict = field(default_factory=dict, repr=False)
-    _raw: dict = field(default_factory=dict, repr=False)
-    _pairs: list = field(default_factory=list, repr=False)
-    _memo: dict = field(default_factory=dict, repr=False)  # cost() answers since the last change
-    _load: float | None = field(default=None, repr=False)
-
-    def current_load(self) -> float:
-        """The load of the current minute relative to the budget in use's usual one (see above)."""
-        if not self.load_correction or not self._pairs:
-            return 1.0
-        cur = max(set(self._pairs), key=self._pairs.count)
-        raw = self._raw.get(cur, [])
-        if len(raw) < 16:
-            return 1.0
-        return min(4.0, max(0.5, statistics.median(raw[-8:]) / statistics.median(raw)))
-
-    def record(self, batch: int, budget: int, seconds: float) -> None:
-        """Add one measured round (ignored when frozen or not a finite time > 0)."""
-        if self.frozen or not math.isfinite(seconds) or seconds <= 0:
-            return
-        cnt = self.counts.setdefault(batch, {})
-        cnt[budget] = cnt.get(budget, 0) + 1
-        recent = self._recent.setdefault((batch, budget), [])
-        if cnt[budget] == 2 and len(recent) == 1:
-            recent.clear()  # the pair's first round allocated its shapes
-        if self.stamp % 4 == 0 or self._load is None:  # the load moves by the minute: read it every 4th round
-            self._load = self.current_load()
-        norm = seconds / self._load  # this minute's load, from the rounds before this one
-        raw = self._raw.setdefault((batch, budget), [])
-        raw.append(seconds)
-        del raw[:-64]
-        self._pairs.append((batch, budget))
-        del self._pairs[:-16]
-        self.stamp += 1
-        self.last[(batch, budget)] = self.stamp
-        self._memo.clear()
-        recent.append(norm)
-        del recent[:-self.window]
-        # the median of the last few rounds: a round slowed by a neighbour does not set the cost
-        self.seconds.setdefault(batch, {})[budget] = statistics.median(recent)
-
-    def set(self, batch: int, budget: int, seconds: float, count: int = 1) -> None:
-        """Set a pair's cost outright (``sglang-tev tune``: a median over whole timed runs).
-        Raises ``ValueError`` naming ``seconds`` unless it is a finite number > 0."""
-        if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
-        self._memo.clear()
-        self._recent[(batch, budget)] = [float(seconds)]
-        self.counts.setdefault(batch, {})[budget] = int(count)
-        self.seconds.setdefault(batch, {})[budget] = float(seconds)
-
-    def raw(self, batch: int, budget: int) -> list[float]:
-        """The pair's last (up to 64) measured round times, in seconds as measured (no load
-        correction), oldest first."""
-        return self._raw.get((batch, budget), [])
-
-    def measured(self, batch: int, budget: int) -> bool:
-        return budget in self.seconds.get(batch, {})
-
-    def cost(self, batch: int, budget: int) -> float | None:
-        """Seconds of a round at (batch, budget), in the table's scale (seconds at load 1: only
-        ratios between budgets matter): plain decoding (budget 0) measured, never
-        extrapolated (it has no draft); a tree budget from the monotone fit over this batch
-        size's measured tree budgets (one measured budget: that one only). A batch size with
-        nothing for ``budget`` borrows from the nearest batch size n that has it (a batch that
-        shrinks as rows finish needs no new calibration): where the lender has a plain round, its
-        ratio to it times this batch size's plain round, its own or lent (seconds from another
-        batch size would be on another scale: a tree of 8 rows read as cheaper than a plain
-        round of 32); else the lender's seconds. None when nothing applies."""
-        key = (batch, budget)
-        if key not in self._memo:  # asked ~10 times a round; the table changes once a round
-            c = self._at(batch, budget) if batch in self.seconds else None
-            if c is None:  # the nearest batch size that has it
-                n, c = next(((b, c) for b in sorted(self.seconds, key=lambda x: (abs(x - batch), x))
-                             if b != batch and (c := self._at(b, budget)) is not None), (None, None))
-                if c is not None and budget > 0:
-                    # this batch size's plain round, its own or lent (budget 0: no recursion here)
-                    plain, lender_plain = self.cost(batch, 0), self._at(n, 0)
-                    if plain and lender_plain:
-                        c = plain * c / lender_plain
-            self._memo[key] = c
-        return self._memo[key]
-
-    def _at(self, batch: int, budget: int) -> float | None:
-        row = self.seconds.get(batch, {})
-        if budget == 0:
-            return row.get(0)
-        fit = self._memo.get(("fit", batch))
-        if fit is None:
-            cnt = self.counts.get(batch, {})
-            pts = sorted((b, s, min(self.window, max(1, cnt.get(b, 1)))) for b, s in row.items() if b > 0)
-            fit = self._memo[("fit", batch)] = _monotone(pts)
-        if not fit:
-            return None
-        if len(fit) == 1:
-            return fit[0][1] if fit[0][0] == budget else None
-        xs = [b for b, _ in fit]
-        j = max(1, min(len(fit) - 1, next((i for i, x in enumerate(xs) if x >= budget), len(fit) - 1)))
-        (x0, y0), (x1, y1) = fit[j - 1], fit[j]
-        if budget < x0:
-            # below the smallest timed budget: the fit's mean slope carried down, not below a plain
-            # round (a tree round adds a draft to it); held flat while plain decoding is untimed.
-            # A guess that errs low is timed as soon as it is chosen; one that erred high (held
-            # flat on a CPU, where every node costs) would keep the smaller trees from ever
-            # being chosen, hence timed
-            plain = row.get(0)
-            if plain is None:
-                return y0
-            slope = (fit[-1][1] - fit[0][1]) / (fit[-1][0] - fit[0][0])
-            return max(plain, y0 - slope * (x0 - budget))
-        return y0 + (y1 - y0) * (budget - x0) / (x1 - x0)
-
-    def to_json(self) -> dict:
-        return {"seconds": {str(b): {str(k): v for k, v in r.items()} for b, r in self.seconds.items()},
-                "counts": {str(b): {str(k): v for k, v in r.items()} for b, r in self.counts.items()}}
-
-    @classmethod
-    def from_json(cls, data: dict, frozen: bool = True) -> "CostTable":
-        """A table written by :meth:`to_json` (``sglang-tev tune --output``). Raises ``ValueError``
-        naming ``cost_table`` for a malformed one."""
-        shape = "a JSON object {\"seconds\": {batch size: {budget: seconds per round}}}"
-        if not isinstance(data, dict) or not isinstance(data.get("seconds"), dict):
-            raise ValueError(f"cost_table: not a cost table (expected {shape})")
-        try:
-            raw = {int(b): dict(r) for b, r in data["seconds"].items()}
-            cnt = {int(b): {int(k): int(v) for k, v in r.items()} for b, r in (data.get("counts") or {}).items()}
-            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for r in raw.values() for v in r.values()):
-                raise ValueError("an entry is not a number")
-            sec = {b: {int(k): float(v) for k, v in r.items()} for b, r in raw.items()}
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"cost_table: not a cost table ({e}; expected {shape})") from None
-        if any(not (v > 0 and math.isfinite(v)) for r in sec.values() for v in r.values()):
-            raise ValueError("cost_table: every entry must be a finite number of seconds > 0")
-        if any(b < 1 for b in sec) or any(not 0 <= k <= MAX_BUDGET for r in sec.values() for k in r):
-            raise ValueError(f"cost_table: batch sizes must be >= 1 and budgets in 0..{MAX_BUDGET}")
-        if not any(any(b > 0 for b in r) for r in sec.values()):
-            raise ValueError("cost_table: holds no tree budget (> 0) at any batch size; nothing to choose from")
-        return cls(sec, cnt, frozen=frozen)
-
-    @classmethod
-    def load(cls, path, frozen: bool = True) -> "CostTable":
-        """Read a JSON table (a file of :meth:`to_json`, or one holding it under ``cost_table``).
-        Raises ``ValueError`` naming ``cost_table`` for a missing or malformed file."""
-        if not str(path).strip():
-            raise ValueError("cost_table: the path is empty")
-        p = Path(path)
-        if p.is_dir():
-            raise ValueError(f"cost_table: {p} is a directory; give the JSON file 'sglang-tev tune --output' wrote")
-        if not p.is_file():
-            raise ValueError(f"cost_table: no file at {p}")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"cost_table: {p} is not JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"cost_table: {p} is not a cost table")
-        return cls.from_json(data.get("cost_table", data), frozen=frozen)
 
 
 @dataclass

@@ -119,7 +119,7 @@ def _check_generate_args(args) -> None:
     if args.cost_table is not None:  # read before any model loads
         if args.budget != "auto":
             raise UsageError("--cost-table", f"applies to --budget auto only, got --budget {args.budget}")
-        from ..autobudget import CostTable
+        from ..costs import CostTable
 
         try:
             args.cost_table = CostTable.load(args.cost_table, frozen=True)

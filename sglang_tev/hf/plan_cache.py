@@ -35,7 +35,7 @@ from .. import __version__
 from .. import env as _env
 from ..atomic import atomic_write
 from ..planner import ReachCalibration
-from ..autobudget import CostTable
+from ..costs import CostTable
 
 __all__ = ["SCHEMA", "plan_cache_dir", "enabled", "model_fingerprint", "cache_key", "PlanCache"]
 

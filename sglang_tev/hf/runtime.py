@@ -40,7 +40,8 @@ from .round import NonFiniteLogitsError
 from ..plan import AutoBudget, BudgetPolicy, FixedBudget, TreePlanner
 from ..planner import ReachCalibration
 from . import plan_cache as _plan_cache
-from ..autobudget import DEFAULT_GRID, BudgetController, CostTable
+from ..autobudget import DEFAULT_GRID, BudgetController
+from ..costs import CostTable
 from .scheduler import DecodeBuffers, Scheduler
 from .static_cache import StaticKVCache, cache_kwargs  # noqa: F401 - cache_kwargs: tests and benchmarks import it from here
 from .stops import stop_token_set

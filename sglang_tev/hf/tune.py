@@ -10,7 +10,7 @@ plain decoding within each sweep (its median).
 The result, per (batch size, temperature): the budget and verifier of highest median ratio to
 plain decoding within a sweep (of highest median tokens/s when plain decoding is not measured),
 written as SGLang's ``--speculative-num-draft-tokens N`` (N = 1 + budget; budget 0: run without
-speculation) and ``SGLANG_TEV_VERIFIER``; and a frozen :class:`~sglang_tev.autobudget.CostTable`
+speculation) and ``SGLANG_TEV_VERIFIER``; and a frozen :class:`~sglang_tev.costs.CostTable`
 (seconds per round by batch size and budget at the first temperature measured: decode time /
 rounds of each median run, the prefill left out) that
 ``generate(budget="auto")`` / ``sglang-tev generate --cost-table`` reads instead of timing rounds
@@ -32,7 +32,7 @@ from typing import Sequence
 
 from ..atomic import atomic_write
 from ..machine import machine_info
-from ..autobudget import CostTable
+from ..costs import CostTable
 
 __all__ = ["run_tune", "format_tune", "TUNE_BUDGETS"]
 

@@ -51,7 +51,8 @@ import numbers
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..autobudget import DEFAULT_GRID, BudgetController, CostTable
+from ..autobudget import DEFAULT_GRID, BudgetController
+from ..costs import CostTable
 from ..plan import RoundPlan, TreePlanner, cut_tree
 from ..planner import ReachCalibration, regime_of
 
@@ -85,7 +86,7 @@ class ServedBudget:
     Args:
         capacity: B_max = N - 1 (``--speculative-num-draft-tokens`` minus the root).
         block_size: K of the drafter.
-        costs: the greedy law's :class:`~sglang_tev.autobudget.CostTable` (None: a fresh one
+        costs: the greedy law's :class:`~sglang_tev.costs.CostTable` (None: a fresh one
             that corrects for the machine's load, as the transformers runtime's); every other law
             gets an empty table with the same settings (``frozen``, ``window``,
             ``load_correction``).
