@@ -23,7 +23,12 @@ class FakePlan:
 
 class FakeTranslator:
     def plan(self, *, req_pool_indices, seq_lens, seq_lens_cpu, write_virtual, read_extent):
-        assert write_virtual.numel() == req_pool_indices.numel() * read_extent
+        # a verify or draft block reads its window past seq_lens; a DECODE forward's seq_lens
+        # already count its one token (read_extent 0, as SGLang's window_read_extent says)
+        window = read_extent if read_extent else 1
+        assert write_virtual.numel() == req_pool_indices.numel() * window
+        self.last_plan = SimpleNamespace(seq_lens=seq_lens.clone(), seq_lens_cpu=seq_lens_cpu.clone(),
+                                         read_extent=read_extent)
         return FakePlan(write_virtual)
 
 

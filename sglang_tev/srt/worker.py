@@ -365,6 +365,110 @@ class TEVWorker(DFlashWorkerV2):
             draft_out = self.draft_model_runner.forward(fb)
             return head_fn(draft_out, bs)
 
+    def _verify_forward(self, batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner):
+        """The target's TARGET_VERIFY forward over this round's trees (``layout``: N nodes a request,
+        the full custom mask, or none for a root-only round without graphs) through DFlash's verify
+        input. Returns (the target worker's ``GenerationBatchResult``, the window's ``KVLocPlan``)."""
+        bs = len(batch.seq_lens)
+        prefix = batch.seq_lens
+        out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix,
+            end_offset=prefix + N,
+            batch_size=bs,
+            draft_token_num=N,
+            device=self.device,
+        )
+        kv_plan = self.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            seq_lens_cpu=seq_lens_cpu + N,
+            write_virtual=out_cache_loc,
+            read_extent=N,
+        )
+        # a graph replay pads the batch to its bucket with seq_len = the backend's fill value;
+        # give those rows an all-True mask segment, so the static mask buffer is defined everywhere
+        padded_bs = graph_padded_batch_size(bs, graph_runner)
+        custom_mask = layout.custom_mask
+        if padded_bs is not None:
+            custom_mask = pad_tree_mask(custom_mask, bs, padded_bs, N, int(graph_runner.seq_len_fill_value))
+        verify_input = DFlashVerifyInput(
+            draft_token=layout.draft_token,
+            positions=layout.positions,
+            draft_token_num=N,
+            custom_mask=custom_mask,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            kv_loc_plan=kv_plan,
+        )
+        batch.out_cache_loc = out_cache_loc
+        # backend planning reads a host bound of committed prefix + window, as in DFlash's verify;
+        # the mask's per-request offsets come from the device seq_lens (the committed prefix).
+        # prepare_for_verify asks the target graph runner's can_run_graph and, when it can, runs its
+        # load_batch (static slots, bucket padding, the backend's replay metadata with this mask)
+        saved = (batch.seq_lens_cpu, batch.seq_lens_sum)
+        batch.seq_lens_cpu = seq_lens_cpu + N
+        batch.seq_lens_sum = seq_lens_sum + bs * N
+        try:
+            fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        target_out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=fb, is_verify=True, skip_attn_backend_init=True
+        )
+        return target_out, kv_plan
+
+    def _decode_forward(self, batch, roots, seq_lens_cpu, seq_lens_sum):
+        """A plain step for the whole batch as SGLang's own DECODE forward: each request's root
+        (last round's bonus token, int64 [bs]) at position ``seq_lens[b]``, attention over the
+        committed prefix and itself, no verify input, no custom mask, the target's DFlash layers
+        captured (``CaptureHiddenMode.FULL``) for the drafter's KV. Its logits and KV slot are
+        those of the TARGET_VERIFY forward of a root-only tree; only the forward's set-up is
+        SGLang's plain decoding's. Used only without target CUDA graphs (they are captured for
+        TARGET_VERIFY). Returns (the target worker's ``GenerationBatchResult``, the ``KVLocPlan``
+        of the written slot)."""
+        bs = len(batch.seq_lens)
+        prefix = batch.seq_lens
+        runner = self.target_worker.model_runner
+        out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix,
+            end_offset=prefix + 1,
+            batch_size=bs,
+            draft_token_num=1,
+            device=self.device,
+        )
+        seq_lens = prefix + 1  # DECODE counts the new token in seq_lens (positions = seq_lens - 1)
+        kv_plan = runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens_cpu + 1,
+            write_virtual=out_cache_loc,
+            read_extent=0,
+        )
+        batch.out_cache_loc = out_cache_loc
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=roots,
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc,
+            seq_lens_sum=seq_lens_sum + bs,
+            seq_lens_cpu=seq_lens_cpu + 1,
+            positions=prefix.to(torch.int64),
+            sampling_info=batch.sampling_info,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            num_token_non_padded=(
+                torch.full((), bs, dtype=torch.int32, device=self.device) if enable_num_token_non_padded() else None
+            ),
+            global_num_token_non_padded_cpu=bs,
+        )
+        kv_plan.bind(fb, runner.kv_index_translator)
+        target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        return target_out, kv_plan
+
     def _tev_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
@@ -429,51 +533,11 @@ class TEVWorker(DFlashWorkerV2):
         )
 
         # 2) target verify over the tree
-        out_cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
-            start_offset=prefix,
-            end_offset=prefix + N,
-            batch_size=bs,
-            draft_token_num=N,
-            device=dev,
-        )
-        kv_plan = self.target_worker.model_runner.kv_index_translator.plan(
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=prefix,
-            seq_lens_cpu=seq_lens_cpu + N,
-            write_virtual=out_cache_loc,
-            read_extent=N,
-        )
-        # a graph replay pads the batch to its bucket with seq_len = the backend's fill value;
-        # give those rows an all-True mask segment, so the static mask buffer is defined everywhere
-        padded_bs = graph_padded_batch_size(bs, graph_runner)
-        custom_mask = layout.custom_mask
-        if padded_bs is not None:
-            custom_mask = pad_tree_mask(custom_mask, bs, padded_bs, N, int(graph_runner.seq_len_fill_value))
-        verify_input = DFlashVerifyInput(
-            draft_token=layout.draft_token,
-            positions=layout.positions,
-            draft_token_num=N,
-            custom_mask=custom_mask,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            kv_loc_plan=kv_plan,
-        )
-        batch.out_cache_loc = out_cache_loc
-        # backend planning reads a host bound of committed prefix + window, as in DFlash's verify;
-        # the mask's per-request offsets come from the device seq_lens (the committed prefix).
-        # prepare_for_verify asks the target graph runner's can_run_graph and, when it can, runs its
-        # load_batch (static slots, bucket padding, the backend's replay metadata with this mask)
-        saved = (batch.seq_lens_cpu, batch.seq_lens_sum)
-        batch.seq_lens_cpu = seq_lens_cpu + N
-        batch.seq_lens_sum = seq_lens_sum + bs * N
-        try:
-            fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-        finally:
-            batch.seq_lens_cpu, batch.seq_lens_sum = saved
-        target_out = self.target_worker.forward_batch_generation(
-            batch=None, forward_batch=fb, is_verify=True, skip_attn_backend_init=True
-        )
+        if N == 1 and graph_runner is None:
+            # a plain step for the whole batch: SGLang's own DECODE forward (no verify input)
+            target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
+        else:
+            target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner)
         logits_output: LogitsProcessorOutput = target_out.logits_output
         logits = logits_output.next_token_logits
         target_lp = self._target_logits_processor

@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, budget_mode):
     """Rounds of the worker on the tiny target (fake SGLang pools and runners) commit plain greedy
     decoding's tokens and KV; with SGLANG_TEV_BUDGET=auto the width changes round to round (plain
-    steps included) and the same holds."""
+    steps included, each as SGLang's DECODE forward) and the same holds."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
@@ -95,7 +96,10 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         return SimpleNamespace(spec_info=self, out_cache_loc=batch.out_cache_loc, seq_lens=batch.seq_lens), False
 
     @torch.no_grad()
-    def target_forward(*, batch, forward_batch, is_verify, skip_attn_backend_init):
+    def target_forward(*, batch, forward_batch, is_verify, skip_attn_backend_init=None):
+        assert is_verify  # the worker samples nothing through SGLang's sampler
+        if getattr(forward_batch, "forward_mode", None) == ForwardMode.DECODE:
+            return decode_forward(forward_batch)
         vi, loc, seq = forward_batch.spec_info, forward_batch.out_cache_loc, forward_batch.seq_lens
         n = vi.draft_token_num
         logits = torch.empty(bs * n, V)
@@ -122,6 +126,28 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         kv[loc] = vi.draft_token  # the verify forward writes every node's KV into the window
         seen["draft_token"] = vi.draft_token.clone()
         hidden = torch.arange(bs * n, dtype=torch.float32).view(-1, 1).repeat(1, 2)  # row id as a feature
+        return SimpleNamespace(
+            logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=False
+        )
+
+    @torch.no_grad()
+    def decode_forward(fb):
+        # SGLang's DECODE: seq_lens count the new token, positions = seq_lens - 1, causal attention
+        seen["decode"] = seen.get("decode", 0) + 1
+        plan = translator.last_plan  # reads nothing past seq_lens, which count the token
+        assert plan.read_extent == 0 and torch.equal(plan.seq_lens, fb.seq_lens)
+        assert fb.capture_hidden_mode == CaptureHiddenMode.FULL and fb.seq_lens_sum == int(fb.seq_lens.sum())
+        assert torch.equal(fb.seq_lens_cpu, seen["seq_cpu"] + 1) and torch.equal(fb.positions, fb.seq_lens - 1)
+        logits = torch.empty(bs, V)
+        for b in range(bs):
+            s = int(fb.seq_lens[b]) - 1
+            ctx = kv[req_to_token[pool_idx[b], :s]]
+            assert bool((ctx >= 0).all())
+            inp = torch.cat([ctx, fb.input_ids[b : b + 1]]).view(1, -1)
+            logits[b] = target(inp).logits[0, -1]
+        kv[fb.out_cache_loc] = fb.input_ids
+        seen["draft_token"] = fb.input_ids.clone()
+        hidden = torch.arange(bs, dtype=torch.float32).view(-1, 1).repeat(1, 2)
         return SimpleNamespace(
             logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=False
         )
@@ -220,6 +246,6 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         assert f"mean budget {N - 1:.1f}" in lines[0]
     else:  # the planner's calibration runs the largest tree, then plain decoding and a middle width
         assert w._served_budget.rounds == rounds and {N, 1} <= set(widths), widths
-        # root-only rounds (no graphs here) verify without a custom mask, the others with one
-        assert seen.get("maskless", 0) == sum(wr == 1 for wr in widths)
+        # root-only rounds (no graphs here) run as SGLang's DECODE forward, the others verify the tree
+        assert seen.get("decode", 0) == sum(wr == 1 for wr in widths) and seen.get("maskless", 0) == 0
     assert sum(accepts) / len(accepts) >= 1.5
