@@ -499,9 +499,11 @@ class TEVWorker(DFlashWorkerV2):
         # 1) draft -> tree
         # no node may sit at a position past the model's context (a request near its end gets a
         # shallower tree, root-only at the last position)
-        caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
         roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
         drafted = None
+        caps = None
+        if budget > 0:
+            caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
         if budget == 0:
             # a plain decoding step (SGLANG_TEV_BUDGET=auto): nothing drafted. The draft KV of the
             # committed token is still written from the target's features at commit.
@@ -521,9 +523,11 @@ class TEVWorker(DFlashWorkerV2):
             round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(sampling, bs))
         N = tree.num_nodes  # this round's width: the capacity with a fixed budget
         graph_runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
-        # a root-only round (a plain step) without graphs verifies with causal attention, no mask
-        # (the same mask for one token; a graph captured with a mask must be replayed with one)
-        layout = tree_verify_layout(tree, prefix, seq_lens_sum, with_mask=not (N == 1 and graph_runner is None))
+        # a root-only round (a plain step) without target graphs runs as SGLang's DECODE forward;
+        # a graph captured for TARGET_VERIFY (with its mask) is replayed with one
+        decode = N == 1 and graph_runner is None
+        # the verify layout; a DECODE step needs it only for the grammar's walk (and no mask)
+        layout = None if decode and not batch.has_grammar else tree_verify_layout(tree, prefix, seq_lens_sum, with_mask=not decode)
         # grammar: SGLang walks each request's tree (retrieve links; padded nodes are left out)
         # with its grammar state and fills one vocabulary mask per node (spec_utils.traverse_tree)
         grammar_tree = (
@@ -533,8 +537,7 @@ class TEVWorker(DFlashWorkerV2):
         )
 
         # 2) target verify over the tree
-        if N == 1 and graph_runner is None:
-            # a plain step for the whole batch: SGLang's own DECODE forward (no verify input)
+        if decode:  # a plain step for the whole batch: no verify input, no custom mask
             target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
         else:
             target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner)
@@ -602,9 +605,10 @@ class TEVWorker(DFlashWorkerV2):
             commit_lens=plan.commit_lens,
         )
         logits_output.hidden_states = None
-        if served is not None:  # the round's one host read: the planner's cost and reach labels
-            dec = out.host(tree, reach_at=list(round_plan.reach_at) if drafted is not None else None,
-                           reach_nodes=drafted is not None)
+        if served is not None and drafted is None:  # a plain step: its cost only, nothing to read
+            served.observe(round_plan, None, None)
+        elif served is not None:  # the round's one host read: the planner's cost and reach labels
+            dec = out.host(tree, reach_at=list(round_plan.reach_at), reach_nodes=True)
             served.observe(round_plan, dec.reach_cum, dec.reach_nodes)
         tree_budgets = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
         logits_output.customized_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, tree_budgets)
