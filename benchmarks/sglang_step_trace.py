@@ -1,0 +1,199 @@
+"""What one decoding step costs inside SGLang's CPU server: plain decoding against TEV's steps.
+
+Starts one CPU server per mode (as the project's HTTP tests do), drives it with ``--concurrency``
+streams of the same request (``--temperature``, ``--output-len`` tokens, ``ignore_eos``) for
+``--seconds``, and times every call of the worker's ``forward_batch_generation`` inside the
+scheduler process: its own time ("work") and the gap from its end to the next call's start
+(SGLang's scheduler work between steps: result processing, the next batch). Steps next to a
+prefill are left out. Reported per mode: median work and gap per decode step (ms), tokens per step
+and request, the rounds' budgets, and the client's tokens per second.
+
+Modes:
+    plain          SGLang without speculative decoding (its ``TpModelWorker``)
+    tev17          TEV, fixed tree of N = 17 (``TEVWorker``)
+    auto65         TEV, ``SGLANG_TEV_BUDGET=auto`` with capacity 65
+    auto65-plain   the same server with every round planned as a plain step: what a TEV plain
+                   step costs against SGLang's own (benchmark instrumentation, not a server option)
+
+The timing hooks run in the server's processes through a ``usercustomize`` module this script
+writes to a temporary folder put on ``PYTHONPATH``; they wrap the two workers' methods and write
+one line per step. Nothing of the package is changed.
+
+    OMP_NUM_THREADS=1 python benchmarks/sglang_step_trace.py --modes plain,auto65-plain \\
+        --temperature 1 --seconds 30 [--output result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+HOOK = r'''
+import os, time
+_path = os.environ.get("TEV_STEP_TRACE")
+if _path:
+    def _wrap(cls, kind):
+        orig = cls.forward_batch_generation
+        def timed(self, batch=None, *a, **k):
+            if batch is None:  # a TEV round's own target forward: part of the enclosing call
+                return orig(self, batch, *a, **k)
+            # read before the call: a TEV round sets the batch's mode to TARGET_VERIFY
+            ext = batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", False) or batch.forward_mode.is_idle()
+            t0 = time.perf_counter()
+            res = orig(self, batch, *a, **k)
+            t1 = time.perf_counter()
+            tokens = len(batch.seq_lens) if kind == "plain" or ext else int(res.accept_lens.sum())
+            with open(_path, "a") as f:
+                f.write("%s %.6f %.6f %s %d %d\n" % (kind, t0, t1, "x" if ext else "d", len(batch.seq_lens), tokens))
+            return res
+        cls.forward_batch_generation = timed
+    if os.environ.get("TEV_STEP_TRACE_KIND") == "plain":
+        import sglang.srt.managers.tp_worker as _tw
+        _wrap(_tw.TpModelWorker, "plain")
+    else:
+        import sglang_tev.srt.worker as _w
+        _wrap(_w.TEVWorker, "tev")
+    if os.environ.get("TEV_STEP_TRACE_FORCE_PLAIN"):
+        import dataclasses
+        import sglang_tev.srt.budget as _b
+        _plan = _b.ServedBudget.plan
+        def plain_plan(self, bs, all_greedy=True):
+            p = _plan(self, bs, all_greedy)
+            return dataclasses.replace(p, budgets=(0,) * bs, reach_at=(), draft_depth=None)
+        _b.ServedBudget.plan = plain_plan
+'''
+
+PROMPT = "def fibonacci(n):\n    "
+
+
+def _modes():
+    from sglang_tev.testing.sglang_cpu import hosts
+
+    tev = lambda n: hosts.tev_kwargs(n, attention_backend="tev_cpu")  # noqa: E731
+    return {
+        "plain": (hosts.plain_kwargs(), {"TEV_STEP_TRACE_KIND": "plain"}),
+        "tev17": (tev(17), {}),
+        "auto65": (tev(65), {"SGLANG_TEV_BUDGET": "auto"}),
+        "auto65-plain": (tev(65), {"SGLANG_TEV_BUDGET": "auto", "TEV_STEP_TRACE_FORCE_PLAIN": "1"}),
+    }
+
+
+def _generate(base: str, temperature: float, n: int) -> tuple[float, dict]:
+    body = json.dumps({"text": PROMPT, "sampling_params": {"temperature": temperature, "max_new_tokens": n,
+                                                           "ignore_eos": True}}).encode()
+    req = urllib.request.Request(base + "/generate", body, {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+    return time.perf_counter() - t, out
+
+
+def summarize(lines: list[str]) -> dict:
+    """Median work / gap (ms) per decode step from the trace lines, with the steps' tokens.
+
+    Args:
+        lines: ``kind t0 t1 mode bs tokens`` per worker call, in call order.
+    Returns:
+        dict with ``steps``, ``work_ms``, ``gap_ms``, ``step_ms`` (their sum), ``tokens_per_step``
+        (per request), or ``{"steps": 0}`` when no two decode steps followed each other.
+    """
+    rows = [(float(a), float(b), m, int(bs), int(t)) for _, a, b, m, bs, t in (x.split() for x in lines)]
+    work, gap, toks = [], [], []
+    for cur, nxt in zip(rows, rows[1:]):
+        if cur[2] == "d" and nxt[2] == "d":
+            work.append(1e3 * (cur[1] - cur[0]))
+            gap.append(1e3 * (nxt[0] - cur[1]))
+            toks.append(cur[4] / max(1, cur[3]))
+    if not work:
+        return {"steps": 0}
+    w, g = statistics.median(work), statistics.median(gap)
+    return {"steps": len(work), "work_ms": w, "gap_ms": g, "step_ms": w + g, "tokens_per_step": statistics.fmean(toks)}
+
+
+def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
+    from sglang_tev.testing.sglang_cpu import hosts
+
+    trace = folder / f"{name}.trace"
+    env = dict(env, TEV_STEP_TRACE=str(trace))
+    host = hosts.ServerHost(kwargs, env=env)
+    try:
+        for _ in range(2):  # warm-up (and, under auto, the calibration's first rounds)
+            _generate(host.base, args.temperature, args.output_len)
+        trace.unlink(missing_ok=True)
+        stop = time.perf_counter() + args.seconds
+        done, budgets, lock = [0, 0.0], {}, threading.Lock()
+
+        def stream():
+            while time.perf_counter() < stop:
+                dt, out = _generate(host.base, args.temperature, args.output_len)
+                with lock:
+                    done[0] += args.output_len
+                    for b in out["meta_info"].get("tev_budget") or []:
+                        budgets[b] = budgets.get(b, 0) + 1
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=stream) for _ in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        host.close()
+    row = summarize(trace.read_text().splitlines() if trace.exists() else [])
+    row.update(mode=name, tok_s=done[0] / wall, budgets=dict(sorted(budgets.items())))
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default="plain,auto65-plain", help="comma-separated: plain, tev17, auto65, auto65-plain")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seconds", type=float, default=30.0, help="traced load per mode, after two warm-up requests")
+    p.add_argument("--output", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    known = _modes()
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in known]
+    if bad or not modes:
+        p.error(f"--modes: unknown {bad} (known: {', '.join(known)})")
+    if args.concurrency < 1 or args.seconds <= 0 or args.output_len < 2:
+        p.error("--concurrency >= 1, --seconds > 0 and --output-len >= 2 are required")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "usercustomize.py").write_text(HOOK)
+        # the servers' PYTHONPATH: the CPU harness's folder first (hosts), then this one
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(folder)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
+        for m in modes:
+            kwargs, env = known[m]
+            rows.append(run_mode(m, kwargs, env, args, folder))
+            print(json.dumps(rows[-1]), flush=True)
+    base = next((r for r in rows if r["mode"] == "plain" and r.get("steps")), None)
+    print(f"{'mode':>14} {'work ms':>8} {'gap ms':>7} {'step ms':>8} {'x plain':>8} {'tok/step':>8} {'tok/s':>7}")
+    for r in rows:
+        if not r.get("steps"):
+            print(f"{r['mode']:>14}  no consecutive decode steps traced")
+            continue
+        ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
+        print(f"{r['mode']:>14} {r['work_ms']:8.2f} {r['gap_ms']:7.2f} {r['step_ms']:8.2f} {ratio:>8} "
+              f"{r['tokens_per_step']:8.2f} {r['tok_s']:7.1f}")
+    if args.output:
+        from sglang_tev.machine import machine_info
+
+        Path(args.output).write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                 "machine": machine_info(), "args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
