@@ -1,0 +1,44 @@
+"""benchmarks/sglang_step_trace.py: its per-step summary and its argument checks (no server)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "sglang_step_trace.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("sglang_step_trace", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_counts_only_decode_steps_followed_by_decode_steps():
+    # kind t0 t1 mode bs tokens: a prefill (x) between decode steps breaks the pairs around it
+    lines = [
+        "tev 0.000 0.010 d 2 4",   # work 10 ms, gap 2 ms to the next decode step
+        "tev 0.012 0.020 d 2 2",   # followed by a prefill: left out
+        "tev 0.021 0.050 x 1 0",
+        "tev 0.051 0.061 d 2 6",   # work 10 ms, gap 4 ms
+        "tev 0.065 0.070 d 2 2",   # last call: no next step
+    ]
+    row = _module().summarize(lines)
+    assert row["steps"] == 2
+    assert row["work_ms"] == pytest.approx(10.0)
+    assert row["gap_ms"] == pytest.approx(3.0)
+    assert row["step_ms"] == pytest.approx(13.0)
+    assert row["tokens_per_step"] == pytest.approx((4 / 2 + 6 / 2) / 2)
+    assert _module().summarize(["tev 0 1 x 1 0"]) == {"steps": 0}
+
+
+@pytest.mark.parametrize("args, needle", [(["--modes", "nope"], "--modes"), (["--seconds", "0"], "--seconds")])
+def test_bad_arguments_are_refused_before_any_server_starts(args, needle):
+    out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
