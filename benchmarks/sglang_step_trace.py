@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import site
 import statistics
 import sys
 import tempfile
@@ -147,7 +149,9 @@ def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
         wall = time.perf_counter() - t0
     finally:
         host.close()
-    row = summarize(trace.read_text().splitlines() if trace.exists() else [])
+    if not trace.exists():
+        raise RuntimeError(f"{name}: the server wrote no step trace: the timing hook did not load in its processes")
+    row = summarize(trace.read_text().splitlines())
     row.update(mode=name, tok_s=done[0] / wall, budgets=dict(sorted(budgets.items())))
     return row
 
@@ -165,9 +169,19 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in known]
     if bad or not modes:
-        p.error(f"--modes: unknown {bad} (known: {', '.join(known)})")
-    if args.concurrency < 1 or args.seconds <= 0 or args.output_len < 2:
-        p.error("--concurrency >= 1, --seconds > 0 and --output-len >= 2 are required")
+        p.error(f"--modes: {'unknown ' + ', '.join(bad) if bad else 'none given'} (known: {', '.join(known)})")
+    if args.concurrency < 1:
+        p.error(f"--concurrency must be at least 1, got {args.concurrency}")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        p.error(f"--seconds must be a finite number above 0, got {args.seconds}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.output_len < 2:
+        p.error(f"--output-len must be at least 2 (a decode step after the first token), got {args.output_len}")
+    if not site.ENABLE_USER_SITE:
+        # the timing hooks load as usercustomize in the servers' processes (same interpreter)
+        p.error("the timing hooks need Python's user site (usercustomize), which is off here: a venv made "
+                "without --system-site-packages, python -s or PYTHONNOUSERSITE")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
