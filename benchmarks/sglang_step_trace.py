@@ -15,9 +15,8 @@ Modes:
     auto65-plain   the same server with every round planned as a plain step: what a TEV plain
                    step costs against SGLang's own (benchmark instrumentation, not a server option)
 
-The timing hooks run in the server's processes through a ``usercustomize`` module this script
-writes to a temporary folder put on ``PYTHONPATH``; they wrap the two workers' methods and write
-one line per step. Nothing of the package is changed.
+The timing and the plain-step plans are the CPU harness's hooks in the server's processes
+(``SGLANG_TEV_STEP_TRACE``, ``SGLANG_TEV_PLAIN_STEPS``: ``sglang_tev/testing/sglang_cpu/step_hooks.py``).
 
     OMP_NUM_THREADS=1 python benchmarks/sglang_step_trace.py --modes plain,auto65-plain \\
         --temperature 1 --seconds 30 [--output result.json]
@@ -28,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import site
 import statistics
 import sys
 import tempfile
@@ -38,53 +35,19 @@ import time
 import urllib.request
 from pathlib import Path
 
-HOOK = r'''
-import os, time
-_path = os.environ.get("TEV_STEP_TRACE")
-if _path:
-    def _wrap(cls, kind):
-        orig = cls.forward_batch_generation
-        def timed(self, batch=None, *a, **k):
-            if batch is None:  # a TEV round's own target forward: part of the enclosing call
-                return orig(self, batch, *a, **k)
-            # read before the call: a TEV round sets the batch's mode to TARGET_VERIFY
-            ext = batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", False) or batch.forward_mode.is_idle()
-            t0 = time.perf_counter()
-            res = orig(self, batch, *a, **k)
-            t1 = time.perf_counter()
-            tokens = len(batch.seq_lens) if kind == "plain" or ext else int(res.accept_lens.sum())
-            with open(_path, "a") as f:
-                f.write("%s %.6f %.6f %s %d %d\n" % (kind, t0, t1, "x" if ext else "d", len(batch.seq_lens), tokens))
-            return res
-        cls.forward_batch_generation = timed
-    if os.environ.get("TEV_STEP_TRACE_KIND") == "plain":
-        import sglang.srt.managers.tp_worker as _tw
-        _wrap(_tw.TpModelWorker, "plain")
-    else:
-        import sglang_tev.srt.worker as _w
-        _wrap(_w.TEVWorker, "tev")
-    if os.environ.get("TEV_STEP_TRACE_FORCE_PLAIN"):
-        import dataclasses
-        import sglang_tev.srt.budget as _b
-        _plan = _b.ServedBudget.plan
-        def plain_plan(self, bs, all_greedy=True):
-            p = _plan(self, bs, all_greedy)
-            return dataclasses.replace(p, budgets=(0,) * bs, reach_at=(), draft_depth=None)
-        _b.ServedBudget.plan = plain_plan
-'''
-
 PROMPT = "def fibonacci(n):\n    "
 
 
 def _modes():
+    from sglang_tev import env as tev_env
     from sglang_tev.testing.sglang_cpu import hosts
 
     tev = lambda n: hosts.tev_kwargs(n, attention_backend="tev_cpu")  # noqa: E731
     return {
-        "plain": (hosts.plain_kwargs(), {"TEV_STEP_TRACE_KIND": "plain"}),
+        "plain": (hosts.plain_kwargs(), {}),
         "tev17": (tev(17), {}),
         "auto65": (tev(65), {"SGLANG_TEV_BUDGET": "auto"}),
-        "auto65-plain": (tev(65), {"SGLANG_TEV_BUDGET": "auto", "TEV_STEP_TRACE_FORCE_PLAIN": "1"}),
+        "auto65-plain": (tev(65), {"SGLANG_TEV_BUDGET": "auto", tev_env.PLAIN_STEPS: "1"}),
     }
 
 
@@ -120,10 +83,11 @@ def summarize(lines: list[str]) -> dict:
 
 
 def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
+    from sglang_tev import env as tev_env
     from sglang_tev.testing.sglang_cpu import hosts
 
     trace = folder / f"{name}.trace"
-    env = dict(env, TEV_STEP_TRACE=str(trace))
+    env = dict(env, **{tev_env.STEP_TRACE: str(trace)})
     host = hosts.ServerHost(kwargs, env=env)
     try:
         for _ in range(2):  # warm-up (and, under auto, the calibration's first rounds)
@@ -150,7 +114,7 @@ def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
     finally:
         host.close()
     if not trace.exists():
-        raise RuntimeError(f"{name}: the server wrote no step trace: the timing hook did not load in its processes")
+        raise RuntimeError(f"{name}: the server wrote no step trace (the CPU harness's {tev_env.STEP_TRACE} hook did not run)")
     row = summarize(trace.read_text().splitlines())
     row.update(mode=name, tok_s=done[0] / wall, budgets=dict(sorted(budgets.items())))
     return row
@@ -178,16 +142,9 @@ def main(argv=None) -> int:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.output_len < 2:
         p.error(f"--output-len must be at least 2 (a decode step after the first token), got {args.output_len}")
-    if not site.ENABLE_USER_SITE:
-        # the timing hooks load as usercustomize in the servers' processes (same interpreter)
-        p.error("the timing hooks need Python's user site (usercustomize), which is off here: a venv made "
-                "without --system-site-packages, python -s or PYTHONNOUSERSITE")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        (folder / "usercustomize.py").write_text(HOOK)
-        # the servers' PYTHONPATH: the CPU harness's folder first (hosts), then this one
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(folder)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
         for m in modes:
             kwargs, env = known[m]
             rows.append(run_mode(m, kwargs, env, args, folder))

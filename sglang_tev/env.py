@@ -52,6 +52,8 @@ __all__ = [
     "CPU_HARNESS",
     "TP_TRACE",
     "SYNC_PROBE",
+    "PLAIN_STEPS",
+    "STEP_TRACE",
     "KEEP_LOGS",
     "REQUIRE_SGLANG",
 ]
@@ -215,6 +217,8 @@ CPU_ATTN_IGNORE_MASK = "SGLANG_TEV_CPU_ATTN_IGNORE_MASK"
 CPU_HARNESS = "SGLANG_TEV_CPU_HARNESS"
 TP_TRACE = "SGLANG_TEV_TP_TRACE"
 SYNC_PROBE = "SGLANG_TEV_SYNC_PROBE"
+PLAIN_STEPS = "SGLANG_TEV_PLAIN_STEPS"
+STEP_TRACE = "SGLANG_TEV_STEP_TRACE"
 KEEP_LOGS = "SGLANG_TEV_KEEP_LOGS"
 REQUIRE_SGLANG = "SGLANG_TEV_REQUIRE_SGLANG"
 
@@ -252,6 +256,12 @@ _VARIABLES = (
              "the CPU harness records each scheduler process's TEV round decisions there", TESTING),
     Variable(SYNC_PROBE, _path, None, "a file (empty = unset)",
              "the CPU harness counts the host syncs of each decode step into this file", TESTING),
+    Variable(PLAIN_STEPS, _exactly_one, False, "1 = on; anything else off",
+             "the CPU harness plans every SGLANG_TEV_BUDGET=auto round as a plain step (tests; "
+             "benchmarks/sglang_step_trace.py)", TESTING),
+    Variable(STEP_TRACE, _path, None, "a file (empty = unset)",
+             "the CPU harness appends one line per decode-worker call (its times, mode, batch size, tokens) to "
+             "this file (benchmarks/sglang_step_trace.py)", TESTING),
     Variable(KEEP_LOGS, _exactly_one, False, "1 = keep; anything else delete",
              "keep the log files of the SGLang hosts the tests start (deleted when a host closes otherwise)", TESTING),
     Variable(REQUIRE_SGLANG, _exactly_one, False, "1 = required; anything else not",

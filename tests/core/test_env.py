@@ -62,7 +62,7 @@ def test_every_name_the_repository_mentions_is_registered():
 
 
 def test_registry_declarations():
-    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 14
+    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 16
     for name, var in env.REGISTRY.items():
         assert name == var.name and name.startswith(env.PREFIX)
         assert var.audience in (env.USER, env.TESTING)
@@ -308,6 +308,9 @@ OLD = {
     "SGLANG_TEV_CPU_HARNESS": _old_exactly_one("SGLANG_TEV_CPU_HARNESS"),
     "SGLANG_TEV_TP_TRACE": _old_path("SGLANG_TEV_TP_TRACE"),
     "SGLANG_TEV_SYNC_PROBE": _old_path("SGLANG_TEV_SYNC_PROBE"),
+    # new with the CPU harness's plain-step hooks: the same readers as CPU_HARNESS / SYNC_PROBE
+    "SGLANG_TEV_PLAIN_STEPS": _old_exactly_one("SGLANG_TEV_PLAIN_STEPS"),
+    "SGLANG_TEV_STEP_TRACE": _old_path("SGLANG_TEV_STEP_TRACE"),
     "SGLANG_TEV_KEEP_LOGS": _old_exactly_one("SGLANG_TEV_KEEP_LOGS"),
     "SGLANG_TEV_REQUIRE_SGLANG": _old_exactly_one("SGLANG_TEV_REQUIRE_SGLANG"),
 }

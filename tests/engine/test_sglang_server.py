@@ -488,6 +488,51 @@ def test_grammars_give_plain_decodings_tokens(tev, plain, tokenizer, hf_model):
     assert_alive(tev)
 
 
+# ---------------------------------------------------------------------- plain steps = SGLang's decoding
+@pytest.fixture(scope="module")
+def plain_steps():
+    """TEV with SGLANG_TEV_BUDGET=auto and every round planned as a plain step (the CPU harness's
+    SGLANG_TEV_PLAIN_STEPS hook): each round runs SGLang's DECODE forward in TEV's worker."""
+    from sglang_tev import env as tev_env
+
+    host = ServerHost(tev_kwargs(TREE_SIZE, chat_template=CHAT_TEMPLATE),
+                      env={tev_env.BUDGET: "auto", tev_env.PLAIN_STEPS: "1"})
+    yield host
+    host.close()
+
+
+def test_plain_steps_equal_sglangs_plain_decoding(plain_steps, plain):
+    """A plain step inside TEV (SGLang's DECODE forward, TEV's draw, its penalties, grammar walk and
+    logprobs) against SGLang's own plain decoding, one request at a time (batch 1 on both, so the
+    same bf16 arithmetic): the same tokens, logprobs within float noise, for logprobs, penalties
+    with min_new_tokens, two grammars, a stop string and a one-token request."""
+    bodies = [
+        dict(greedy(PROMPTS[SERVED[0][0]], 24), return_logprob=True, top_logprobs_num=2, token_ids_logprob=[273, 15]),
+        # additive penalties only: with repetition_penalty too SGLang's order depends on overlap
+        # scheduling (tests/engine/test_sglang_penalties.py), and this reference runs without it
+        greedy(PROMPTS[2], 24, frequency_penalty=0.5, presence_penalty=0.3, min_new_tokens=8),
+        greedy(PROMPTS[3], 24, repetition_penalty=1.2),
+        greedy(GRAMMARS[1][1], GRAMMARS[1][3], **GRAMMARS[1][2]),
+        greedy(GRAMMARS[3][1], GRAMMARS[3][3], **GRAMMARS[3][2]),
+        greedy(PROMPTS[4], 32, stop=["\n\n"]),
+        greedy(PROMPTS[7], 1),
+    ]
+    for j, body in enumerate(bodies):
+        t, p = ok(plain_steps, "/generate", body), ok(plain, "/generate", body)
+        assert t["output_ids"] == p["output_ids"] and t["text"] == p["text"], (j, t["text"], p["text"])
+        tm, pm = t["meta_info"], p["meta_info"]
+        assert tm["finish_reason"] == pm["finish_reason"], j
+        budgets = tm.get("tev_budget", [])  # absent when no decode round ran (a one-token request)
+        assert len(budgets) == tm.get("spec_verify_ct", 0) and set(budgets) <= {0}, (j, budgets, tm)  # all plain steps
+        assert len(budgets) >= min(8, len(t["output_ids"]) - 1), (j, budgets)
+        if body.get("return_logprob"):
+            pairs = zip(tm["output_token_logprobs"], pm["output_token_logprobs"])
+            assert all(a[1] == b[1] and abs(a[0] - b[0]) <= 1e-3 for a, b in pairs), j
+            for a, b in zip(tm["output_top_logprobs"], pm["output_top_logprobs"]):
+                assert [x[1] for x in a] == [x[1] for x in b] and all(abs(x[0] - y[0]) <= 1e-3 for x, y in zip(a, b))
+    assert_alive(plain_steps)
+
+
 # ---------------------------------------------------------------------- the audit: n > 1, refusals
 def test_parallel_sampling_n_greater_than_one_is_served(tev, tokenizer, hf_model, hf_greedy):
     """``n`` = 2 on ``/generate`` (``sampling_params.n``) and on ``/v1/completions``: served; greedy

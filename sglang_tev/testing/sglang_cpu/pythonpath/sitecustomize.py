@@ -4,7 +4,8 @@ Python imports ``sitecustomize`` from ``sys.path`` in every process, including t
 and detokenizer SGLang spawns; ``sglang_tev.testing.sglang_cpu.harness.harness_env()`` puts this folder on
 ``PYTHONPATH`` for them. ``SGLANG_TEV_TP_TRACE=<folder>`` also records each process's TEV round
 decisions there (``sglang_tev/testing/sglang_cpu/tp_trace.py``); ``SGLANG_TEV_SYNC_PROBE=<file>`` counts the host syncs of
-each TEV decode step (``sglang_tev/testing/sglang_cpu/sync_probe.py``).
+each TEV decode step (``sglang_tev/testing/sglang_cpu/sync_probe.py``); ``SGLANG_TEV_PLAIN_STEPS=1`` and
+``SGLANG_TEV_STEP_TRACE=<file>`` are ``sglang_tev/testing/sglang_cpu/step_hooks.py``.
 """
 
 from sglang_tev import env
@@ -23,3 +24,13 @@ if env.get(env.CPU_HARNESS):
         from sglang_tev.testing.sglang_cpu import sync_probe
 
         sync_probe.install()
+
+    if env.get(env.PLAIN_STEPS):
+        from sglang_tev.testing.sglang_cpu import step_hooks
+
+        step_hooks.install_plain_steps()
+
+    if env.get(env.STEP_TRACE):
+        from sglang_tev.testing.sglang_cpu import step_hooks
+
+        step_hooks.install_step_trace(env.get(env.STEP_TRACE))

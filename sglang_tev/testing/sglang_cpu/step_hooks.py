@@ -1,0 +1,82 @@
+"""Two CPU-harness hooks for measuring and testing a TEV plain step (loaded by the harness's
+``sitecustomize`` in every process of a server or Engine it starts):
+
+* ``SGLANG_TEV_PLAIN_STEPS=1``: every round ``SGLANG_TEV_BUDGET=auto`` plans becomes a plain step
+  for the whole batch (budget 0: nothing drafted, SGLang's DECODE forward). The planner still
+  learns from the rounds it ran. What tests compare with SGLang's own plain decoding
+  (``tests/engine/test_sglang_server.py``) and ``benchmarks/sglang_step_trace.py`` times.
+* ``SGLANG_TEV_STEP_TRACE=<file>``: one line per call of the decode worker's
+  ``forward_batch_generation`` (``TEVWorker``, else SGLang's ``TpModelWorker``), appended to the
+  file: ``kind t0 t1 mode bs tokens`` (``perf_counter`` seconds; mode ``d`` decode, ``x``
+  prefill or idle; tokens: committed this step, all requests). A TEV round's own target forward
+  (called with no batch) is part of its round and not written.
+
+Neither changes what a request's tokens are drawn from: a plan only ever selects a tree width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+__all__ = ["install_plain_steps", "install_step_trace"]
+
+
+def _after_import(module: str, fn) -> None:
+    """Run ``fn(module object)`` once ``module`` is imported (the harness's post-import hook, as
+    ``tp_trace`` and ``sync_probe`` do): nothing of SGLang is imported at interpreter start."""
+    import sys
+
+    from . import harness
+
+    if module in sys.modules:
+        fn(sys.modules[module])
+    else:
+        sys.meta_path.insert(0, harness.PostImport({module: fn}))
+
+
+def install_plain_steps() -> None:
+    """Patch :meth:`sglang_tev.srt.budget.ServedBudget.plan` to plan budget 0 for every request."""
+    _after_import("sglang_tev.srt.budget", _patch_plan)
+
+
+def _patch_plan(budget) -> None:
+    original = budget.ServedBudget.plan
+    if getattr(original, "_plain_steps", False):
+        return
+
+    def plan(self, bs, all_greedy=True):
+        p = original(self, bs, all_greedy)
+        return dataclasses.replace(p, budgets=(0,) * len(p.budgets), reach_at=(), draft_depth=None)
+
+    plan._plain_steps = True
+    budget.ServedBudget.plan = plan
+
+
+def install_step_trace(path: str) -> None:
+    """Wrap both decode workers' ``forward_batch_generation`` to append one line per call to ``path``."""
+
+    def wrap(cls, kind: str) -> None:
+        original = cls.forward_batch_generation
+        if getattr(original, "_step_trace", False):
+            return
+
+        def timed(self, batch=None, *args, **kwargs):
+            if batch is None:  # a TEV round's own target forward
+                return original(self, batch, *args, **kwargs)
+            mode = batch.forward_mode  # read first: a TEV round sets TARGET_VERIFY on the batch
+            ext = mode.is_extend() or bool(getattr(batch, "is_extend_in_batch", False)) or mode.is_idle()
+            t0 = time.perf_counter()
+            res = original(self, batch, *args, **kwargs)
+            t1 = time.perf_counter()
+            bs = len(batch.seq_lens) if batch.seq_lens is not None else 0
+            tokens = bs if kind == "plain" or ext else int(res.accept_lens.sum())
+            with open(path, "a") as f:
+                f.write(f"{kind} {t0:.6f} {t1:.6f} {'x' if ext else 'd'} {bs} {tokens}\n")
+            return res
+
+        timed._step_trace = True
+        cls.forward_batch_generation = timed
+
+    _after_import("sglang_tev.srt.worker", lambda m: wrap(m.TEVWorker, "tev"))
+    _after_import("sglang.srt.managers.tp_worker", lambda m: wrap(m.TpModelWorker, "plain"))
