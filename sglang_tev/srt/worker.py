@@ -21,6 +21,11 @@ applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the
     -> accepted path's KV slots and hidden rows moved to the front of each window
     -> draft-KV append with the commit lengths -> GenerationBatchResult
 
+A round planned as a plain step for the whole batch (``SGLANG_TEV_BUDGET=auto``, budget 0) drafts
+nothing and, without target CUDA graphs, runs the target as SGLang's own DECODE forward
+(``_decode_forward``); its token is drawn by the same verifier from a root-only tree and its
+drafter KV appended the same way.
+
 DFlash2 checkpoints (SGLang's ``DFlash2DraftModel``: conv, transform, candidate selector) are
 served or refused at construction (``dflash2.resolve_draft_serving``); in lattice mode the
 per-depth top-k step is replaced by SGLang's selector lattice with normalised rows
@@ -366,9 +371,10 @@ class TEVWorker(DFlashWorkerV2):
             return head_fn(draft_out, bs)
 
     def _verify_forward(self, batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner):
-        """The target's TARGET_VERIFY forward over this round's trees (``layout``: N nodes a request,
-        the full custom mask, or none for a root-only round without graphs) through DFlash's verify
-        input. Returns (the target worker's ``GenerationBatchResult``, the window's ``KVLocPlan``)."""
+        """The target's TARGET_VERIFY forward over this round's trees (``layout``: N nodes a request
+        and their custom mask) through DFlash's verify input; with CUDA graphs a root-only round
+        takes it too (the graph is captured for TARGET_VERIFY). Returns (the target worker's
+        ``GenerationBatchResult``, the window's ``KVLocPlan``)."""
         bs = len(batch.seq_lens)
         prefix = batch.seq_lens
         out_cache_loc = assign_extend_cache_locs_func(
