@@ -140,6 +140,8 @@ def main(argv=None) -> int:
         p.error(f"--seconds must be a finite number above 0, got {args.seconds}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        p.error(f"--output: no such directory {str(Path(args.output).resolve().parent)!r}")
     if args.output_len < 2:
         p.error(f"--output-len must be at least 2 (a decode step after the first token), got {args.output_len}")
     rows = []

@@ -257,11 +257,11 @@ _VARIABLES = (
     Variable(SYNC_PROBE, _path, None, "a file (empty = unset)",
              "the CPU harness counts the host syncs of each decode step into this file", TESTING),
     Variable(PLAIN_STEPS, _exactly_one, False, "1 = on; anything else off",
-             "the CPU harness plans every SGLANG_TEV_BUDGET=auto round as a plain step (tests; "
-             "benchmarks/sglang_step_trace.py)", TESTING),
+             "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) plans every SGLANG_TEV_BUDGET=auto "
+             "round as a plain step (tests; benchmarks/sglang_step_trace.py)", TESTING),
     Variable(STEP_TRACE, _path, None, "a file (empty = unset)",
-             "the CPU harness appends one line per decode-worker call (its times, mode, batch size, tokens) to "
-             "this file (benchmarks/sglang_step_trace.py)", TESTING),
+             "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) appends one line per worker step "
+             "(its times, mode, batch size, tokens) to this file (benchmarks/sglang_step_trace.py)", TESTING),
     Variable(KEEP_LOGS, _exactly_one, False, "1 = keep; anything else delete",
              "keep the log files of the SGLang hosts the tests start (deleted when a host closes otherwise)", TESTING),
     Variable(REQUIRE_SGLANG, _exactly_one, False, "1 = required; anything else not",

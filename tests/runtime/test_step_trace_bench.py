@@ -41,7 +41,8 @@ def test_summary_counts_only_decode_steps_followed_by_decode_steps():
 @pytest.mark.parametrize("args, needle", [(["--modes", "nope"], "--modes"), (["--modes", ","], "--modes"),
                                           (["--seconds", "0"], "--seconds"), (["--seconds", "nan"], "--seconds"),
                                           (["--seconds", "inf"], "--seconds"), (["--temperature", "-1"], "--temperature"),
-                                          (["--concurrency", "0"], "--concurrency"), (["--output-len", "1"], "--output-len")])
+                                          (["--concurrency", "0"], "--concurrency"), (["--output-len", "1"], "--output-len"),
+                                          (["--output", "/nonexistent-dir-x/r.json"], "--output")])
 def test_bad_arguments_are_refused_before_any_server_starts(args, needle):
     out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr

@@ -8,8 +8,11 @@
 * ``SGLANG_TEV_STEP_TRACE=<file>``: one line per call of the decode worker's
   ``forward_batch_generation`` (``TEVWorker``, else SGLang's ``TpModelWorker``), appended to the
   file: ``kind t0 t1 mode bs tokens`` (``perf_counter`` seconds; mode ``d`` decode, ``x``
-  prefill or idle; tokens: committed this step, all requests). A TEV round's own target forward
-  (called with no batch) is part of its round and not written.
+  prefill or idle; tokens: committed this step, all requests). One line per outermost call: the
+  target calls a TEV round or a TEV prefill makes inside it are part of its line.
+
+Both act only in processes the CPU harness starts (``SGLANG_TEV_CPU_HARNESS=1`` loads them); the
+plain-step plans only on a ``SGLANG_TEV_BUDGET=auto`` server.
 
 Neither changes what a request's tokens are drawn from: a plan only ever selects a tree width.
 """
@@ -20,6 +23,8 @@ import dataclasses
 import time
 
 __all__ = ["install_plain_steps", "install_step_trace"]
+
+_depth = [0]  # worker calls in progress in this process: only the outermost one is written
 
 
 def _after_import(module: str, fn) -> None:
@@ -62,12 +67,16 @@ def install_step_trace(path: str) -> None:
             return
 
         def timed(self, batch=None, *args, **kwargs):
-            if batch is None:  # a TEV round's own target forward
+            if batch is None or _depth[0]:  # a TEV round's or prefill's own target call: inside its line
                 return original(self, batch, *args, **kwargs)
             mode = batch.forward_mode  # read first: a TEV round sets TARGET_VERIFY on the batch
             ext = mode.is_extend() or bool(getattr(batch, "is_extend_in_batch", False)) or mode.is_idle()
             t0 = time.perf_counter()
-            res = original(self, batch, *args, **kwargs)
+            _depth[0] += 1
+            try:
+                res = original(self, batch, *args, **kwargs)
+            finally:
+                _depth[0] -= 1
             t1 = time.perf_counter()
             bs = len(batch.seq_lens) if batch.seq_lens is not None else 0
             tokens = bs if kind == "plain" or ext else int(res.accept_lens.sum())
