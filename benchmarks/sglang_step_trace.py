@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 PROMPT = "def fibonacci(n):\n    "
@@ -51,13 +50,13 @@ def _modes():
     }
 
 
-def _generate(base: str, temperature: float, n: int) -> tuple[float, dict]:
-    body = json.dumps({"text": PROMPT, "sampling_params": {"temperature": temperature, "max_new_tokens": n,
-                                                           "ignore_eos": True}}).encode()
-    req = urllib.request.Request(base + "/generate", body, {"Content-Type": "application/json"})
-    t = time.perf_counter()
-    out = json.loads(urllib.request.urlopen(req, timeout=600).read())
-    return time.perf_counter() - t, out
+def _generate(host, temperature: float, n: int) -> dict:
+    """One ``/generate`` of ``n`` tokens on ``host`` (a ``ServerHost``); its JSON reply."""
+    body = {"text": PROMPT, "sampling_params": {"temperature": temperature, "max_new_tokens": n, "ignore_eos": True}}
+    status, out = host.post("/generate", body, timeout=600)
+    if status != 200:
+        raise RuntimeError(f"/generate answered {status}: {str(out)[:300]}")
+    return out
 
 
 def summarize(lines: list[str]) -> dict:
@@ -91,14 +90,14 @@ def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
     host = hosts.ServerHost(kwargs, env=env)
     try:
         for _ in range(2):  # warm-up (and, under auto, the calibration's first rounds)
-            _generate(host.base, args.temperature, args.output_len)
+            _generate(host, args.temperature, args.output_len)
         trace.unlink(missing_ok=True)
         stop = time.perf_counter() + args.seconds
-        done, budgets, lock = [0, 0.0], {}, threading.Lock()
+        done, budgets, lock = [0], {}, threading.Lock()
 
         def stream():
             while time.perf_counter() < stop:
-                dt, out = _generate(host.base, args.temperature, args.output_len)
+                out = _generate(host, args.temperature, args.output_len)
                 with lock:
                     done[0] += args.output_len
                     for b in out["meta_info"].get("tev_budget") or []:

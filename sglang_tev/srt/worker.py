@@ -308,6 +308,21 @@ class TEVWorker(DFlashWorkerV2):
 
         return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
 
+    def _window_locs(self, batch, width: int) -> torch.Tensor:
+        """The KV slots (virtual, int64 [bs * width], row-major) of positions ``seq_lens[b] ..
+        seq_lens[b] + width - 1`` of every request: the window a forward of ``width`` tokens a
+        request writes (SGLang reserved them in ``prepare_for_decode``)."""
+        prefix = batch.seq_lens
+        return assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix,
+            end_offset=prefix + width,
+            batch_size=len(prefix),
+            draft_token_num=width,
+            device=self.device,
+        )
+
     def _draft_block(self, batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn):
         """The draft block ``[root, MASK x (K-1)]`` forward on the draft runner, then
         ``head_fn(draft_out, bs)`` inside the same inference / draft-TP scope; returns its result."""
@@ -321,16 +336,7 @@ class TEVWorker(DFlashWorkerV2):
         block_ids = torch.full((bs, K), int(self._mask_token_id), dtype=torch.int64, device=dev)
         block_ids[:, 0] = draft_input.bonus_tokens.view(-1)
         positions = (prefix.view(bs, 1).to(torch.int64) + self._block_pos_offsets.view(1, K)).reshape(-1)
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=req_to_token,
-            start_offset=prefix,
-            end_offset=prefix + K,
-            batch_size=bs,
-            draft_token_num=K,
-            device=dev,
-        )
+        cache_loc = self._window_locs(batch, K)
         if self._full_embed_gpu is not None:
             emb = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
         else:
@@ -377,15 +383,7 @@ class TEVWorker(DFlashWorkerV2):
         ``GenerationBatchResult``, the window's ``KVLocPlan``)."""
         bs = len(batch.seq_lens)
         prefix = batch.seq_lens
-        out_cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
-            start_offset=prefix,
-            end_offset=prefix + N,
-            batch_size=bs,
-            draft_token_num=N,
-            device=self.device,
-        )
+        out_cache_loc = self._window_locs(batch, N)
         kv_plan = self.target_worker.model_runner.kv_index_translator.plan(
             req_pool_indices=batch.req_pool_indices,
             seq_lens=prefix,
@@ -436,15 +434,7 @@ class TEVWorker(DFlashWorkerV2):
         bs = len(batch.seq_lens)
         prefix = batch.seq_lens
         runner = self.target_worker.model_runner
-        out_cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
-            start_offset=prefix,
-            end_offset=prefix + 1,
-            batch_size=bs,
-            draft_token_num=1,
-            device=self.device,
-        )
+        out_cache_loc = self._window_locs(batch, 1)
         seq_lens = prefix + 1  # DECODE counts the new token in seq_lens (positions = seq_lens - 1)
         kv_plan = runner.kv_index_translator.plan(
             req_pool_indices=batch.req_pool_indices,
