@@ -33,9 +33,9 @@ its refined plan after it go to every rank through SGLang's TP group (``broadcas
 group's CPU side: no device sync), the followers cut their own trees (built from the same draft) to
 it, and only rank 0's planner learns (its clock and its exit-law labels).
 
-Cost: the round's wall seconds, from the round's start to its end, after the round's one host read
-(the decision and the reach labels in one transfer, :meth:`VerifyOutput.host`); on CUDA that read is
-a device sync per round (not measured on a GPU yet), on CPU it costs nothing. Plus SGLang's own work
+Cost: the round's wall seconds, from the round's start to its end; a tree round ends after its one
+host read (the decision and the reach labels in one transfer, :meth:`VerifyOutput.host`; on CUDA a
+device sync per round, not measured on a GPU yet, on CPU free), a plain step reads nothing. Plus SGLang's own work
 per step outside the worker (result processing, streaming, the next batch's preparation): the
 lower quartile of the recent gaps between a round's end and the next round's start (idle time and
 prefills between rounds only lengthen a gap, and with short requests they are up to half of
