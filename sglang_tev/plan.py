@@ -27,7 +27,7 @@ from typing import Iterable, Protocol, Sequence
 from .planner import ReachCalibration, allocate
 from .spec import MAX_BUDGET, SpecError, check_budget
 
-__all__ = ["RoundPlan", "BudgetPolicy", "FixedBudget", "AutoBudget", "TreePlanner", "cut_tree"]
+__all__ = ["RoundPlan", "BudgetPolicy", "FixedBudget", "AutoBudget", "TreePlanner", "cut_tree", "cut_rows"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,11 @@ class RoundPlan:
     def plain(self) -> bool:
         """Every row takes a plain decoding step (no draft, a root-only tree)."""
         return self.budget == 0
+
+    @property
+    def ragged(self) -> bool:
+        """Rows take different budgets (a ragged runtime verifies ``sum(budgets) + rows`` tokens)."""
+        return min(self.budgets) != max(self.budgets)
 
 
 class BudgetPolicy(Protocol):
@@ -158,12 +163,16 @@ class TreePlanner(AutoBudget):
             runtime, persisted with the cost table); None: a fresh one.
         rate_alpha: the EMA weight of the rate per round (0 < rate_alpha <= 1).
         headroom: ``"step"`` (default) or ``"capacity"``, see :meth:`headroom`.
+        layout: ``"padded"`` (default: one width for every row, the transformers runtime's and a
+            uniform verify's) or ``"ragged"`` (a runtime that verifies each row's tree at its own
+            size in one forward, paying for the total): see :meth:`refine`.
     Raises:
-        SpecError naming ``controller`` (as :class:`AutoBudget`), ``rate_alpha`` or ``headroom``.
+        SpecError naming ``controller`` (as :class:`AutoBudget`), ``rate_alpha``, ``headroom`` or
+        ``layout``.
     """
 
     def __init__(self, controller, block_size: int | None = None, calibration: ReachCalibration | None = None,
-                 rate_alpha: float = 0.1, headroom: str = "step") -> None:
+                 rate_alpha: float = 0.1, headroom: str = "step", layout: str = "padded") -> None:
         super().__init__(controller, block_size)
         if not 0 < rate_alpha <= 1:
             raise SpecError("rate_alpha", f"must be in (0, 1], got {rate_alpha!r}")
@@ -172,6 +181,9 @@ class TreePlanner(AutoBudget):
         if headroom not in ("step", "capacity"):
             raise SpecError("headroom", f"must be 'step' or 'capacity', got {headroom!r}")
         self.headroom_mode = headroom
+        if layout not in ("padded", "ragged"):
+            raise SpecError("layout", f"must be 'padded' or 'ragged', got {layout!r}")
+        self.layout = layout
         self._rate: dict[int, list[float]] = {}   # batch -> [EMA tokens, EMA seconds]
         self._pending: tuple | None = None        # (plan, regimes, scores) of the refined round
         self.widths: list[tuple[int, int, int]] = []  # (batch, ceiling, width) of refined rounds, last 10,000
@@ -222,18 +234,56 @@ class TreePlanner(AutoBudget):
         values = [self.calibration.values(g, s) for g, s in zip(regimes, scores)]
         sizes = self.controller.grid_upto(ceiling)
         costs = self.controller.costs
-        alloc = allocate(values, lambda w: costs.cost(batch, w), layout="padded", sizes=sizes, rate=self.rate(batch))
-        w = ceiling if alloc is None else max(1, alloc.size)
-        w = min(ceiling, next((g for g in sizes if g >= w), ceiling))
-        self.widths.append((batch, ceiling, w))
+        if self.layout == "ragged":
+            out = self._refine_ragged(plan, values, costs)
+        else:
+            alloc = allocate(values, lambda w: costs.cost(batch, w), layout="padded", sizes=sizes, rate=self.rate(batch))
+            w = ceiling if alloc is None else max(1, alloc.size)
+            w = min(ceiling, next((g for g in sizes if g >= w), ceiling))
+            out = self._uniform(batch, w)
+        self.widths.append((batch, ceiling, out.budget))
         del self.widths[:-10000]
+        self._pending = (out, list(regimes), [list(s) for s in scores])
+        return out
+
+    def _uniform(self, batch: int, w: int) -> RoundPlan:
         out = self._plans.get((batch, w, "refined"))
         if out is None:
             depth = None if self.block_size is None else min(self.block_size - 1, w)
             out = self._plans[batch, w, "refined"] = RoundPlan((w,) * batch, self.capacity, draft_depth=depth,
                                                                reach_at=tuple(self.controller.grid_upto(w)))
-        self._pending = (out, list(regimes), [list(s) for s in scores])
         return out
+
+    def _refine_ragged(self, plan: RoundPlan, values: list[list[float]], costs) -> RoundPlan:
+        """Per-row budgets: every row's nodes ranked together by calibrated value, the total chosen
+        on the cost curve. A ragged round of ``t`` drafted nodes over ``batch`` rows is charged as
+        a uniform round of width ``t / batch`` (interpolated between the table's integer widths,
+        at least 1: the draft was paid for every row): the verify forward's cost follows its
+        token count, and each row's tree is its own best-first prefix. At least one node in all."""
+        batch, ceiling = len(plan.budgets), plan.budget
+        values = [v[:ceiling] for v in values]
+        top = sum(len(v) for v in values)
+        if top == 0:
+            return self._uniform(batch, ceiling)
+
+        def cost(total: int) -> float | None:
+            w = max(1.0, total / batch)
+            lo = int(w)
+            c0 = costs.cost(batch, lo)
+            if c0 is None or w == lo:
+                return c0
+            c1 = costs.cost(batch, lo + 1)
+            return None if c1 is None else c0 + (c1 - c0) * (w - lo)
+
+        alloc = allocate(values, cost, layout="ragged", sizes=range(1, top + 1), rate=self.rate(batch))
+        if alloc is None:
+            return self._uniform(batch, ceiling)
+        budgets = tuple(alloc.budgets)
+        if min(budgets) == max(budgets):
+            return self._uniform(batch, budgets[0])
+        depth = None if self.block_size is None else min(self.block_size - 1, max(budgets))
+        # the controller's gains learn from sub-budgets every row verified in full
+        return RoundPlan(budgets, self.capacity, draft_depth=depth, reach_at=tuple(self.controller.grid_upto(min(budgets))))
 
     def refine_tree(self, plan: RoundPlan, tree, drafted, regimes: Sequence[str]):
         """:meth:`refine` from the tree itself: its nodes' draft path scores
@@ -245,16 +295,25 @@ class TreePlanner(AutoBudget):
         scores = node_path_scores(tree, drafted)[:, 1:].tolist()
         per_row = [[x for x in row if x != float("-inf")] for row in scores]
         out = self.refine(plan, per_row, regimes)
-        return out, cut_tree(tree, out.budget + 1)
+        return out, cut_rows(tree, out.budgets)
 
     def observe(self, plan: RoundPlan, reach_cum, seconds: float, reach_nodes=None) -> None:
         """As :meth:`AutoBudget.observe`, plus: ``reach_nodes`` (per row, the reach ``P(v)`` of
         the tree's nodes root first, as verified) label the refined round's scores for the
         calibration; the rate EMA moves by this round's expected tokens over its seconds."""
-        super().observe(plan, reach_cum, seconds)
         batch = len(plan.budgets)
+        if plan.ragged:
+            # timed as the uniform width of the same token count (how :meth:`_refine_ragged` reads
+            # the table); its gains from the sub-budgets every row verified in full
+            self.controller.observe(batch, max(1, round(sum(plan.budgets) / batch)), None, seconds)
+            if reach_cum and plan.reach_at:
+                self.controller.learn_gains(min(plan.budgets), [list(r) for r in reach_cum])
+        else:
+            super().observe(plan, reach_cum, seconds)
         tokens = float(batch)
-        if reach_cum:
+        if plan.ragged and reach_nodes is not None:  # expected tokens: one per row + every node's reach
+            tokens += sum(sum(p[1:]) for p in reach_nodes)
+        elif reach_cum:
             tokens += sum(r[-1] for r in reach_cum)
         ema = self._rate.get(batch)
         if ema is None:
@@ -266,8 +325,8 @@ class TreePlanner(AutoBudget):
         pending, self._pending = self._pending, None
         if pending is not None and reach_nodes is not None and pending[0] is plan:
             _, regimes, scores = pending
-            for g, s, p in zip(regimes, scores, reach_nodes):
-                m = min(len(s), max(0, len(p) - 1), plan.budget)
+            for g, s, p, b in zip(regimes, scores, reach_nodes, plan.budgets):
+                m = min(len(s), max(0, len(p) - 1), b)  # a row's nodes past its own cut were not verified
                 self.calibration.update(g, s[:m], p[1: m + 1])
 
 
@@ -286,6 +345,30 @@ def cut_tree(tree, n: int):
     if n >= tree.num_nodes:
         return tree
     return DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
+
+
+def cut_rows(tree, budgets: Sequence[int]):
+    """Each row's best-first tree cut to its own budget: row b keeps its first ``budgets[b] + 1``
+    nodes, the rest become padded nodes (invalid, as a tree smaller than its budget pads); the
+    tree is :func:`cut_tree` to the largest. ``budgets`` are host ints (a plan's).
+
+    Raises:
+        ValueError naming ``budgets`` (not one non-negative int per row).
+    """
+    from .tree import DraftTree
+
+    b = tree.parents.shape[0]
+    if len(budgets) != b or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0 for x in budgets):
+        raise ValueError(f"budgets must be {b} non-negative ints (one per row), got {list(budgets)}")
+    out = cut_tree(tree, max(budgets) + 1)
+    if min(budgets) == max(budgets):
+        return out
+    import torch
+
+    n = out.num_nodes
+    keep = torch.arange(n, device=out.parents.device).view(1, n) <= torch.tensor(
+        [int(x) for x in budgets], device=out.parents.device).view(b, 1)
+    return DraftTree.from_parents(out.parents, out.tokens, out.valid & keep, validate=False)
 
 
 @dataclass(frozen=True)

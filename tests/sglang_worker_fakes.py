@@ -54,7 +54,7 @@ class FakeDraftModel(torch.nn.Module):
 
 
 def build_tev_worker(monkeypatch, *, tree_size, block_size, max_depth, topk, verifier, model_runner,
-                     target_forward, draft_forward, translator, append_draft_kv=None, seed=0):
+                     target_forward, draft_forward, translator, append_draft_kv=None, seed=0, attention_backend=None):
     """A ``TEVWorker`` built through its own ``__init__``, with SGLang's constructor replaced by one
     that sets only what ``DFlashWorkerV2.__init__`` would (``dflash_worker_v2.py``: device, mask
     token, embeddings, the target and draft runners, the TP sync), so the worker's start-up code runs
@@ -86,6 +86,8 @@ def build_tev_worker(monkeypatch, *, tree_size, block_size, max_depth, topk, ver
 
     monkeypatch.setattr(W.DFlashWorkerV2, "__init__", sglang_init)
     target_worker = SimpleNamespace(model_runner=model_runner, forward_batch_generation=target_forward)
+    if attention_backend is not None:  # the layout is read from the target's backend object (its type only)
+        model_runner.attn_backend = object.__new__(attention_backend)
     w = W.TEVWorker(SimpleNamespace(random_seed=seed), 0, 0, target_worker)
     assert w.draft_model.block_size == block_size and w._tev_draft.mode == "marginal"
     return w

@@ -22,10 +22,13 @@ the CPU server a tree round of TEV N = 17 cost 1.7-2.2 plain steps under the gre
 benchmark), so greedy rounds' costs would make sampled trees look cheap. The reach calibration is
 shared (it is kept per temperature regime already).
 
-Layout: padded — one width for every request of a round (the forward keeps a [bs, w] shape, as
-SGLang's verify input expects); a ragged layout (per-request widths, SGLang's
-``RaggedVerifyLayout``) is not wired. KV reservation stays sized by the capacity N (SGLang reserves
-2N slots per request per step), so the context-edge and overlap rules hold for any width <= N - 1.
+Layout: ``"ragged"`` where the attention backend takes SGLang's ``RaggedVerifyLayout`` (per-request
+verify lengths in one forward): each request's tree is cut to its own budget, every request's nodes
+ranked together by calibrated value and the total chosen on the cost curve
+(:meth:`sglang_tev.plan.TreePlanner.refine`); ``"padded"`` elsewhere, one width for every request of
+a round (the forward keeps a [bs, w] shape). KV reservation stays sized by the capacity N (SGLang
+reserves 2N slots per request per step), so the context-edge and overlap rules hold for any width
+<= N - 1.
 
 Tensor parallelism: every rank must run the same width every round (their caches and collectives
 would part otherwise), so rank 0 decides and the others adopt: rank 0's plan before the draft and
@@ -53,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..autobudget import DEFAULT_GRID, BudgetController
 from ..costs import CostTable
-from ..plan import RoundPlan, TreePlanner, cut_tree
+from ..plan import RoundPlan, TreePlanner, cut_rows
 from ..planner import ReachCalibration, regime_of
 
 if TYPE_CHECKING:
@@ -95,13 +98,18 @@ class ServedBudget:
             it in the same order; rank 0 gets its own object back); None: TP 1.
         leader: whether this rank decides (TP rank 0); a follower (``broadcast`` required) runs
             no planner of its own.
+        layout: ``"padded"`` (one width per round) or ``"ragged"`` (a width per request; the
+            worker verifies them in one ragged forward); the attribute may be set until the first
+            :meth:`plan` (the worker learns its backend only then).
     Raises:
         ValueError when a follower has no ``broadcast``, naming ``capacity`` (not an integer
-        >= 1) or ``block_size`` (not an integer >= 2).
+        >= 1), ``block_size`` (not an integer >= 2) or ``layout``.
     """
 
     def __init__(self, capacity: int, block_size: int, costs: CostTable | None = None, clock=time.perf_counter,
-                 broadcast: Callable[[Any], Any] | None = None, leader: bool = True) -> None:
+                 broadcast: Callable[[Any], Any] | None = None, leader: bool = True, layout: str = "padded") -> None:
+        if layout not in ("padded", "ragged"):
+            raise ValueError(f"layout must be 'padded' or 'ragged', got {layout!r}")
         if not leader and broadcast is None:
             raise ValueError("broadcast is required on a follower rank (leader=False): it adopts rank 0's plans")
         if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 2:
@@ -117,6 +125,7 @@ class ServedBudget:
         self.planners: dict[str, TreePlanner] = {}  # law -> its planner over its own controller
         self.law = LAWS[0]  # the law of the round in flight (of the last one between rounds)
         self.capacity = int(capacity)
+        self.layout = layout
         self._t0: float | None = None
         self._t_end: float | None = None  # when the last round closed
         self._gaps: list[float] = []      # the last 64 gaps from a round's end to the next one's start
@@ -133,12 +142,14 @@ class ServedBudget:
         if not self.leader:
             raise RuntimeError("a follower rank (leader=False) runs no planner: it adopts rank 0's plans")
         p = self.planners.get(self.law)
+        if p is not None and p.layout != self.layout:
+            raise RuntimeError(f"layout changed to {self.layout!r} after the first round (planned {p.layout!r})")
         if p is None:
             base = self.cost_tables[LAWS[0]]
             table = self.cost_tables.setdefault(
                 self.law, CostTable(frozen=base.frozen, window=base.window, load_correction=base.load_correction))
             ctl = BudgetController(self.grid, table)
-            p = self.planners[self.law] = TreePlanner(ctl, self.block_size, calibration=self.calibration)
+            p = self.planners[self.law] = TreePlanner(ctl, self.block_size, calibration=self.calibration, layout=self.layout)
         return p
 
     @property
@@ -182,8 +193,8 @@ class ServedBudget:
         return plan
 
     def refine(self, plan: RoundPlan, tree: DraftTree, drafted, temperatures: Sequence[float]) -> tuple[RoundPlan, DraftTree]:
-        """Cut a steady round's tree to the width the planner picks from its node values (rank
-        0's width under TP; a follower cuts its own tree to it).
+        """Cut a steady round's tree to the widths the planner picks from its node values, one per
+        request under the ragged layout (rank 0's under TP; a follower cuts its own tree to them).
 
         Args:
             plan: this round's :meth:`plan`.
@@ -204,7 +215,7 @@ class ServedBudget:
             self._adopt(plan)
             return plan, tree
         plan = self._adopt(None)
-        return plan, cut_tree(tree, plan.budget + 1)
+        return plan, cut_rows(tree, plan.budgets)
 
     def observe(self, plan: RoundPlan, reach_cum, reach_nodes) -> float:
         """Close the round: its seconds since :meth:`plan` plus :attr:`overhead` (SGLang's work

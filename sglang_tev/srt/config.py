@@ -38,6 +38,8 @@ __all__ = [
     "CPU_ATTENTION_BACKEND",
     "SUPPORTED_DEVICE_BACKENDS",
     "DECODE_GRAPH_BACKENDS",
+    "RAGGED_VERIFY_BACKENDS",
+    "verify_layout_for",
     "MAX_TREE_SIZE",
     "DEFAULT_TREE_SIZE",
     "read_env",
@@ -62,6 +64,29 @@ about three blocking device-to-host reads per replay (``:874-879``; the sync-fre
 ``fast_prefill_plan`` is for mask-less DFLASH verifies only, ``:860-885``). FA3 ignores the mask
 unless ``speculative_eagle_topk > 1`` (``flashattention_backend.py:223``) and then reads it in its
 own cascade layout; it is refused rather than silently verifying a tree with a causal mask."""
+
+RAGGED_VERIFY_BACKENDS = ("tev_cpu", "flashinfer")
+"""Backends whose eager TARGET_VERIFY takes SGLang's ``RaggedVerifyLayout`` with a custom mask
+(per-request verify lengths in one forward): this project's CPU backend (tested), and FlashInfer,
+whose verify plan reads the layout's ``qo_indptr`` and per-request mask segments from the verify
+input (``DFlashVerifyInput.generate_attn_arg_prefill``, ``dflash_info.py:135-215``; not run on a
+GPU here). Triton builds a uniform ``qo_indptr`` from the verify width (``triton_backend.py:1007-1057``):
+there ``SGLANG_TEV_BUDGET=auto`` gives one width per round for the batch."""
+
+
+_RAGGED_VERIFY_CLASSES = ("TorchCPUAttnBackend", "FlashInferAttnBackend")  # the backends' classes, by name
+
+
+def verify_layout_for(attn_backend) -> str:
+    """``"ragged"`` when the target's attention backend object (SGLang's ``model_runner.attn_backend``;
+    a hybrid one's prefill and decode backends both) is one of :data:`RAGGED_VERIFY_BACKENDS`
+    (each request's tree verified at its own size), else ``"padded"`` (one width per round for the
+    batch). Read from the object, not the server args: a worker's copy of them may not carry the
+    backend the plugin resolved."""
+    parts = [getattr(attn_backend, "prefill_backend", None), getattr(attn_backend, "decode_backend", None)]
+    parts = [p for p in parts if p is not None] or [attn_backend]
+    return "ragged" if all(type(p).__name__ in _RAGGED_VERIFY_CLASSES for p in parts) else "padded"
+
 
 DECODE_GRAPH_BACKENDS = {"cuda": ("full", "breakable", "disabled"), "cpu": ("disabled",)}
 """``--device`` -> the ``--cuda-graph-backend-decode`` values TEV accepts there. On CUDA both

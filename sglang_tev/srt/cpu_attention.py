@@ -14,9 +14,12 @@ call per layer on padded ``[batch, heads, q, kv]`` tensors and an explicit boole
 * TARGET_VERIFY (the target's tree verify, and the DFlash drafter's block forward, which SGLang
   also runs as TARGET_VERIFY on the draft runner: ``dflash_worker_v2.py:2640``): ``seq_lens[b]``
   cached tokens and N = ``spec_info.num_tokens_per_req`` (else ``draft_token_num``) new tokens per
-  request. With ``spec_info.custom_mask`` set, each new token sees exactly the keys its mask row
-  allows, read in SGLang's FULL layout (request b's N rows of ``seq_lens[b] + N`` bools, row-major,
-  requests concatenated from offset ``sum_{j<b} N * (seq_lens[j] + N)``: the indexing of
+  request, or, with a ragged verify layout (``spec_info.ragged_verify_layout``, SGLang's
+  ``RaggedVerifyLayout``: per-request trees of different sizes in one forward), N_b =
+  ``verify_lens_cpu[b]`` new tokens of request b, packed request after request. With
+  ``spec_info.custom_mask`` set, each new token sees exactly the keys its mask row
+  allows, read in SGLang's FULL layout (request b's N_b rows of ``seq_lens[b] + N_b`` bools, row-major,
+  requests concatenated from offset ``sum_{j<b} N_j * (seq_lens[j] + N_j)``: the indexing of
   ``triton_backend.py:1051-1057`` and ``extend_attention.py:549-553/740-748``; prefix columns are
   read too, as FlashInfer does). Without a mask: causal within the N tokens for DECODER layers
   (DFLASH's chain verify), full within them for ENCODER_ONLY layers (the drafter's block), as
@@ -28,7 +31,7 @@ tokens' keys from the ``k``/``v`` arguments (from ``out_cache_loc`` when the cal
 as the Triton backend does. Grouped-query attention, the layer's ``scaling`` and tanh logit
 capping are served. Refused with an error naming the feature: sliding-window layers and pools,
 cross-attention / encoder-decoder batches, attention sinks and other backend kwargs, scaled KV
-caches, paged/HND KV layouts, ragged verify layouts, and the other forward modes (DRAFT_EXTEND_V2,
+caches, paged/HND KV layouts, and the other forward modes (DRAFT_EXTEND_V2,
 SPLIT_PREFILL, DLLM_EXTEND, PREBUILT). CUDA graphs are not supported (run with them disabled).
 
 Debug option: ``SGLANG_TEV_CPU_ATTN_IGNORE_MASK=1`` in the environment of the process that builds
@@ -164,7 +167,7 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
         Raises:
             ValueError naming the field: inconsistent lengths, a custom mask of the wrong size or
             dtype, a mask row that allows no key.
-            NotImplementedError: an unserved forward mode, encoder lengths, a ragged verify layout.
+            NotImplementedError: an unserved forward mode, encoder lengths.
         """
         self.swa_out_cache_loc = None
         self._plan = None
@@ -198,14 +201,19 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
         elif mode == ForwardMode.TARGET_VERIFY:
             if spec is None:
                 raise ValueError("TorchCPUAttnBackend: TARGET_VERIFY needs forward_batch.spec_info (the verify input)")
-            if getattr(spec, "ragged_verify_layout", None) is not None:
-                raise NotImplementedError("TorchCPUAttnBackend: ragged verify layouts are not supported")
-            n = int(getattr(spec, "num_tokens_per_req", -1) or -1)
-            if n <= 0:
-                n = int(spec.draft_token_num)
-            if n <= 0:
-                raise ValueError(f"TorchCPUAttnBackend: TARGET_VERIFY needs draft_token_num >= 1, got {n}")
-            q_lens = [n] * bs
+            ragged = getattr(spec, "ragged_verify_layout", None)
+            if ragged is not None:  # per-request verify lengths (host list, else the device tensor)
+                src = ragged.verify_lens_cpu if ragged.verify_lens_cpu is not None else ragged.verify_lens
+                q_lens = _host_ints(src, "ragged_verify_layout.verify_lens", bs)
+                if any(n < 1 for n in q_lens):
+                    raise ValueError(f"TorchCPUAttnBackend: ragged verify lengths must be >= 1 (the root), got {q_lens}")
+            else:
+                n = int(getattr(spec, "num_tokens_per_req", -1) or -1)
+                if n <= 0:
+                    n = int(spec.draft_token_num)
+                if n <= 0:
+                    raise ValueError(f"TorchCPUAttnBackend: TARGET_VERIFY needs draft_token_num >= 1, got {n}")
+                q_lens = [n] * bs
             prefix_lens = seq_lens
             if getattr(spec, "custom_mask", None) is not None and not self.ignore_custom_mask:
                 tree_flat = spec.custom_mask
@@ -246,7 +254,7 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
 
         tree_mask = None
         if tree_flat is not None:
-            tree_mask = self._full_layout_mask(tree_flat, prefix_lens, q_lens[0], kv_max, dev)
+            tree_mask = self._full_layout_mask(tree_flat, prefix_lens, q_lens, kv_max, dev)
 
         return _Plan(
             key=_plan_key(fb),
@@ -266,30 +274,33 @@ class TorchCPUAttnBackend(TorchNativeAttnBackend):
         )
 
     @staticmethod
-    def _full_layout_mask(flat: torch.Tensor, prefix_lens: list[int], n: int, kv_max: int, dev) -> torch.Tensor:
-        """bool [bs, n, kv_max] from SGLang's FULL custom mask (True = attend); False past a row."""
+    def _full_layout_mask(flat: torch.Tensor, prefix_lens: list[int], q_lens: list[int], kv_max: int, dev) -> torch.Tensor:
+        """bool [bs, q_max, kv_max] from SGLang's FULL custom mask (True = attend): request b's
+        ``q_lens[b]`` rows of ``prefix_lens[b] + q_lens[b]`` bools; False past a row or a request's rows."""
         if flat.dim() != 1:
             raise ValueError(f"TorchCPUAttnBackend: spec_info.custom_mask must be 1-D (FULL layout), got shape {tuple(flat.shape)}")
         if flat.dtype != torch.bool and flat.dtype not in (torch.uint8, torch.int8):
             raise ValueError(f"TorchCPUAttnBackend: spec_info.custom_mask must be bool (or uint8/int8), got {flat.dtype}")
         bs = len(prefix_lens)
+        n = max(q_lens)
         pre = torch.tensor(prefix_lens, dtype=torch.int64, device=dev)
-        row_len = pre + n
-        req_len = n * row_len
+        q = torch.tensor(q_lens, dtype=torch.int64, device=dev)
+        row_len = pre + q
+        req_len = q * row_len
         need = int(req_len.sum())
         if flat.numel() < need:
             raise ValueError(
                 f"TorchCPUAttnBackend: spec_info.custom_mask has {flat.numel()} entries; the FULL layout for "
-                f"seq_lens {prefix_lens} and {n} tokens per request needs {need} (sum of N * (seq_len + N))"
+                f"seq_lens {prefix_lens} and {q_lens} tokens per request needs {need} (sum of N_b * (seq_len_b + N_b))"
             )
         start = torch.cumsum(req_len, 0) - req_len
         i = torch.arange(n, device=dev).view(1, n, 1)
         j = torch.arange(kv_max, device=dev).view(1, 1, kv_max)
-        inside = j < row_len.view(bs, 1, 1)
+        inside = (j < row_len.view(bs, 1, 1)) & (i < q.view(bs, 1, 1))
         idx = start.view(bs, 1, 1) + i * row_len.view(bs, 1, 1) + j
         idx = torch.where(inside, idx, 0)
         mask = (flat.to(dev)[idx] != 0) & inside
-        empty = ~mask.any(dim=2)
+        empty = ~mask.any(dim=2) & (i.view(1, n) < q.view(bs, 1))
         if bool(empty.any()):
             b, r = (int(x) for x in empty.nonzero()[0])
             raise ValueError(f"TorchCPUAttnBackend: spec_info.custom_mask row {r} of request {b} allows no key")
@@ -411,6 +422,7 @@ def _plan_key(fb: ForwardBatch) -> tuple:
     return (
         fb, fb.forward_mode, fb.seq_lens, fb.req_pool_indices, fb.extend_prefix_lens, fb.extend_prefix_lens_cpu,
         fb.extend_seq_lens, fb.extend_seq_lens_cpu, spec, getattr(spec, "custom_mask", None),
+        getattr(spec, "ragged_verify_layout", None),
     )  # fmt: skip
 
 

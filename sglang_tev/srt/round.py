@@ -40,6 +40,8 @@ __all__ = [
     "tree_custom_mask",
     "tree_retrieve_arrays",
     "tree_verify_layout",
+    "RaggedPack",
+    "ragged_pack",
     "sampling_params_from_info",
     "verify_batch",
     "seeded_uniforms",
@@ -251,6 +253,76 @@ def tree_verify_layout(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: in
         retrieve_next_sibling=ns,
         max_tree_depth=tree.max_depth + 1,
     )
+
+
+@dataclass(frozen=True)
+class RaggedPack:
+    """The verify input of trees of different sizes packed request after request (SGLang's ragged
+    verify: ``RaggedVerifyLayout``, per-request ``qo_indptr``), cut from the padded
+    :class:`TreeVerifyLayout` of the same trees.
+
+    Attributes:
+        lens: host list, per request the nodes it verifies (its first ``lens[b]`` nodes, root
+            included; ``1 <= lens[b] <= N``).
+        cols: int64 [T], T = ``sum(lens)``: the padded row ``b * N + i`` of each packed token (what
+            SGLang's ``KVLocPlan`` calls the window columns of a ragged verify's packed rows).
+        draft_token, positions: int64 [T], the padded layout's at ``cols``.
+        custom_mask: bool, FULL layout over the packed rows: request b's ``lens[b]`` rows of
+            ``seq_lens[b] + lens[b]`` entries (all True over the prefix, then its tree's ancestor
+            mask), requests concatenated; None when the layout has none.
+    """
+
+    lens: list
+    cols: torch.Tensor
+    draft_token: torch.Tensor
+    positions: torch.Tensor
+    custom_mask: torch.Tensor | None
+
+
+def ragged_pack(tree: DraftTree, layout: TreeVerifyLayout, seq_lens: torch.Tensor, lens: list, seq_lens_cpu: list) -> RaggedPack:
+    """Pack the first ``lens[b]`` nodes of each request's tree for one ragged verify forward.
+
+    A best-first tree's first ``n`` nodes are its budget ``n - 1`` tree (a parent comes before its
+    children), so the packed rows of request b are a whole tree whose nodes see exactly what they
+    saw in the padded layout.
+
+    Args:
+        tree: N nodes per request; nodes at or past ``lens[b]`` must be invalid (cut).
+        layout: :func:`tree_verify_layout` of ``tree``.
+        seq_lens: int [bs] (device), cached tokens per request.
+        lens: host ints, ``1 <= lens[b] <= N``.
+        seq_lens_cpu: host ints, the same ``seq_lens`` (the mask's size is known without a read).
+    Raises:
+        ValueError naming ``lens`` (wrong length or out of [1, N]) or ``seq_lens_cpu``.
+    """
+    b, n = tree.parents.shape
+    lens = [int(x) for x in lens]
+    if len(lens) != b or any(not 1 <= x <= n for x in lens):
+        raise ValueError(f"lens must be {b} ints in [1, {n}] (nodes verified per request), got {lens}")
+    seq_host = [int(x) for x in seq_lens_cpu]
+    if len(seq_host) != b:
+        raise ValueError(f"seq_lens_cpu must hold {b} lengths, got {len(seq_host)}")
+    dev = tree.device
+    q = torch.tensor(lens, dtype=torch.int64, device=dev)
+    rows = torch.repeat_interleave(torch.arange(b, device=dev), q)
+    first = torch.cumsum(q, 0) - q
+    cols = rows * n + torch.arange(int(q.sum()), device=dev) - first[rows]
+    mask = None
+    if layout.custom_mask is not None:
+        seq = seq_lens.to(device=dev, dtype=torch.int64)
+        row_len = seq + q
+        req_len = q * row_len
+        start = torch.cumsum(req_len, 0) - req_len
+        total = sum(x * (s + x) for x, s in zip(lens, seq_host))
+        mask = torch.ones(total + 1, dtype=torch.bool, device=dev)  # + a spare entry for cut nodes
+        i = torch.arange(n, device=dev).view(1, n, 1)
+        j = torch.arange(n, device=dev).view(1, 1, n)
+        inside = (i < q.view(b, 1, 1)) & (j < q.view(b, 1, 1))
+        idx = start.view(b, 1, 1) + i * row_len.view(b, 1, 1) + seq.view(b, 1, 1) + j
+        # a scatter, not boolean indexing (which would read the count to the host)
+        mask[torch.where(inside, idx, total).reshape(-1)] = tree.ancestor_mask.reshape(-1)
+        mask = mask[:total]
+    return RaggedPack(lens=lens, cols=cols, draft_token=layout.draft_token[cols], positions=layout.positions[cols], custom_mask=mask)
 
 
 # ---------------------------------------------------------------------- target law

@@ -58,6 +58,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments, parse_dflash_draft_config
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
+from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
@@ -66,7 +67,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from ..env import check_environment
 from ..tree import root_only_tree
 from ..verify import num_uniforms
-from .config import settings_from_server_args
+from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .budget import ServedBudget
@@ -79,6 +80,7 @@ from .round import (
     build_trees,
     commit_outputs,
     compact_rows,
+    ragged_pack,
     request_depth_caps,
     sampling_params_from_info,
     seeded_uniforms,
@@ -227,7 +229,7 @@ class TEVWorker(DFlashWorkerV2):
             # compute_candidates reads the target head from the draft model (SGLang attaches it the
             # same way, dflash_worker_v2.py:911 and :1484-1485)
             self.draft_model.lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
-        # SGLANG_TEV_BUDGET=auto: one tree width per round for the batch (budget.py); fixed: N - 1.
+        # SGLANG_TEV_BUDGET=auto: a tree width per request (ragged verify) or per round (budget.py); fixed: N - 1.
         # Under TP rank 0 decides and every rank adopts its plans (broadcast on the TP CPU group)
         self._served_budget = None
         if self.tev.budget_mode == "auto":
@@ -237,8 +239,11 @@ class TEVWorker(DFlashWorkerV2):
 
                 group = get_tp_group()
                 broadcast = lambda obj: group.broadcast_object(obj, src=0)  # noqa: E731
+            # the layout (ragged or one width per round) is read from the target's attention backend
+            # at the first decode: SGLang builds that backend after the draft worker
             self._served_budget = ServedBudget(self.tev.budget, self.block_size, broadcast=broadcast,
                                                leader=get_parallel().tp_rank == 0)
+            self._layout_resolved = False
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
         self._round_log = (
             RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)
@@ -308,6 +313,20 @@ class TEVWorker(DFlashWorkerV2):
 
         return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
 
+    def _resolve_verify_layout(self, served: ServedBudget) -> None:
+        """Per-request tree sizes (ragged verify) where the target's attention backend takes them,
+        else one width per round for the batch; said once, on rank 0."""
+        served.layout = verify_layout_for(self.target_worker.model_runner.attn_backend)
+        self._layout_resolved = True
+        if get_parallel().tp_rank != 0:
+            return
+        if served.layout == "ragged":
+            logger.info("TEV: SGLANG_TEV_BUDGET=auto sizes each request's tree (ragged verify)")
+        else:
+            logger.warning("TEV: SGLANG_TEV_BUDGET=auto gives one tree width per round for the batch: the attention "
+                           "backend takes no ragged verify (per-request widths need one of %s)",
+                           ", ".join(RAGGED_VERIFY_BACKENDS))
+
     def _window_locs(self, batch, width: int) -> torch.Tensor:
         """The KV slots (virtual, int64 [bs * width], row-major) of positions ``seq_lens[b] ..
         seq_lens[b] + width - 1`` of every request: the window a forward of ``width`` tokens a
@@ -376,11 +395,14 @@ class TEVWorker(DFlashWorkerV2):
             draft_out = self.draft_model_runner.forward(fb)
             return head_fn(draft_out, bs)
 
-    def _verify_forward(self, batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner):
+    def _verify_forward(self, batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner, pack=None):
         """The target's TARGET_VERIFY forward over this round's trees (``layout``: N nodes a request
         and their custom mask) through DFlash's verify input; with CUDA graphs a root-only round
-        takes it too (the graph is captured for TARGET_VERIFY). Returns (the target worker's
-        ``GenerationBatchResult``, the window's ``KVLocPlan``)."""
+        takes it too (the graph is captured for TARGET_VERIFY). With ``pack`` (a
+        :class:`~sglang_tev.srt.round.RaggedPack`, eager only) request b verifies only its first
+        ``pack.lens[b]`` nodes, packed, through SGLang's ``RaggedVerifyLayout``; they are written to
+        the first slots of its window. Returns (the target worker's ``GenerationBatchResult``, the
+        whole window's ``KVLocPlan``)."""
         bs = len(batch.seq_lens)
         prefix = batch.seq_lens
         out_cache_loc = self._window_locs(batch, N)
@@ -397,13 +419,23 @@ class TEVWorker(DFlashWorkerV2):
         custom_mask = layout.custom_mask
         if padded_bs is not None:
             custom_mask = pad_tree_mask(custom_mask, bs, padded_bs, N, int(graph_runner.seq_len_fill_value))
+        ragged = {}
+        if pack is not None:
+            q = torch.tensor(pack.lens, dtype=torch.int32, device=self.device)
+            indptr = torch.nn.functional.pad(torch.cumsum(q, 0, dtype=torch.int32), (1, 0))
+            t = int(pack.cols.numel())
+            ragged = dict(kv_loc_cols=pack.cols, ragged_verify_layout=RaggedVerifyLayout(
+                verify_lens=q, graph_num_tokens=t, extend_start_loc=indptr[:-1], qo_indptr_device=indptr,
+                verify_lens_cpu=pack.lens, total_verify_tokens=t, max_q_len=max(pack.lens)))
+            out_cache_loc, custom_mask = out_cache_loc[pack.cols], pack.custom_mask
         verify_input = DFlashVerifyInput(
-            draft_token=layout.draft_token,
-            positions=layout.positions,
+            draft_token=layout.draft_token if pack is None else pack.draft_token,
+            positions=layout.positions if pack is None else pack.positions,
             draft_token_num=N,
             custom_mask=custom_mask,
             capture_hidden_mode=CaptureHiddenMode.FULL,
             kv_loc_plan=kv_plan,
+            **ragged,
         )
         batch.out_cache_loc = out_cache_loc
         # backend planning reads a host bound of committed prefix + window, as in DFlash's verify;
@@ -474,6 +506,8 @@ class TEVWorker(DFlashWorkerV2):
         dev = self.device
         prefix = batch.seq_lens
         served = self._served_budget
+        if served is not None and not self._layout_resolved:
+            self._resolve_verify_layout(served)
         # the batch's target law picks the planner's controller (a host flag: no device read)
         round_plan = served.plan(bs, bool(batch.sampling_info.is_all_greedy)) if served is not None else None
         budget = self.tev.budget if round_plan is None else round_plan.budget
@@ -532,17 +566,26 @@ class TEVWorker(DFlashWorkerV2):
             else None
         )
 
-        # 2) target verify over the tree
+        # 2) target verify over the tree (request b's first lens[b] nodes only, where the plan is ragged)
+        pack = None
+        if not decode and graph_runner is None and round_plan is not None and round_plan.ragged:
+            lens = [min(b + 1, N) for b in round_plan.budgets]
+            pack = ragged_pack(tree, layout, prefix, lens, seq_lens_cpu.tolist())
         if decode:  # a plain step for the whole batch: no verify input, no custom mask
             target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
         else:
-            target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner)
+            target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner, pack)
         logits_output: LogitsProcessorOutput = target_out.logits_output
         logits = logits_output.next_token_logits
         target_lp = self._target_logits_processor
         if target_lp is not None and target_lp.is_deferred_shard(logits):
             logits = target_lp.finish_deferred_gather(logits)
             logits_output.next_token_logits = logits
+        if pack is not None:  # back to the [bs * N] node rows the round reads (cut nodes: zeros, never reached)
+            for name in ("next_token_logits", "hidden_states"):
+                x = getattr(logits_output, name)
+                setattr(logits_output, name, x.new_zeros((bs * N, *x.shape[1:])).index_copy_(0, pack.cols, x))
+            logits = logits_output.next_token_logits
         grammar_mask = None
         if grammar_tree is not None:
             grammar_mask = build_grammar_vocab_mask(

@@ -223,3 +223,92 @@ def test_planner_plans_never_exceed_the_capacity_and_cut_to_the_draft():
     assert conf and unconf and max(conf) > min(unconf)
     with pytest.raises(SpecError, match="rate_alpha"):
         TreePlanner(pol.controller, rate_alpha=0)
+
+
+def _ragged_planner():
+    pol = _planner()
+    return TreePlanner(pol.controller, block_size=16, layout="ragged")
+
+
+def test_ragged_refine_equals_brute_force_over_per_row_budgets():
+    # every vector of per-row budgets, charged as a uniform round of total / batch nodes (the
+    # table interpolated between integer widths, at least width 1), scored tokens - rate * seconds
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(40):
+        pol = _ragged_planner()
+        batch = 4
+        pol._rate[batch] = [rng.uniform(2, 8), 4.0]  # a rate of 0.5-2 tok/s
+        plan = pol.plan(batch)
+        assert plan.budget > 0 and getattr(plan, "refinable", False)
+        scores = [sorted((-rng.random() * rng.choice([0.05, 1, 6]) for _ in range(rng.randint(0, 4))), reverse=True)
+                  for _ in range(batch)]
+        out = pol.refine(plan, scores, ["greedy"] * batch)
+        values = [pol.calibration.values("greedy", s) for s in scores]
+        costs, rate = pol.controller.costs, pol.rate(batch)
+
+        def seconds(total):
+            w = max(1.0, total / batch)
+            lo = int(w)
+            c0, c1 = costs.cost(batch, lo), costs.cost(batch, lo + 1)
+            return c0 + (c1 - c0) * (w - lo)
+
+        best, best_b = None, None
+        for budgets in itertools.product(*[range(len(v) + 1) for v in values]):
+            if sum(budgets) == 0:
+                continue
+            key = batch + sum(sum(v[:x]) for v, x in zip(values, budgets)) - rate * seconds(sum(budgets))
+            if best is None or key > best + 1e-12:
+                best, best_b = key, budgets
+        if best is None:  # no node drafted: the plan stays uniform
+            assert not out.ragged
+            continue
+        got = batch + sum(sum(v[:x]) for v, x in zip(values, out.budgets)) - rate * seconds(sum(out.budgets))
+        assert got == pytest.approx(best, abs=1e-9), (out.budgets, best_b)
+        assert all(0 <= x <= len(v) for x, v in zip(out.budgets, values))
+        # the controller learns gains only from sub-budgets every row verified in full
+        assert out.reach_at == tuple(pol.controller.grid_upto(min(out.budgets)))
+        checked += out.ragged
+    assert checked >= 10
+
+
+def test_ragged_rounds_label_each_row_only_up_to_its_own_cut():
+    pol = _ragged_planner()
+    plan = pol.plan(2)
+    # row 0 confident, row 1 not: the ranking gives row 0 its nodes and row 1 none
+    out = pol.refine(plan, [[-0.01] * plan.budget, [-9.0] * plan.budget], ["greedy", "greedy"])
+    assert out.ragged and out.budgets[1] < out.budgets[0], out.budgets
+    before = [list(x) for x in pol.calibration._regime("greedy")]
+    seen = []
+    pol.calibration.update = lambda g, s, p: seen.append((g, list(s), list(p)))
+    n0, n1 = out.budgets
+    # reach as verified: row 1's nodes past its cut were not verified (reach 0 in the exit law)
+    reach = [[1.0] + [0.9] * n0 + [0.0] * (plan.budget - n0), [1.0] + [0.5] * n1 + [0.0] * (plan.budget - n1)]
+    cum = [[0.9 * min(x, n0) for x in out.reach_at], [0.5 * min(x, n1) for x in out.reach_at]] if out.reach_at else None
+    pol.observe(out, cum, 2.0, reach_nodes=reach)
+    assert [len(s) for _, s, _ in seen] == [n0, n1] and all(p == [0.9] * n0 or p == [0.5] * n1 for _, _, p in seen)
+    assert before  # the calibration held its prior before
+    # timed as the uniform round of the same token count
+    w_eq = max(1, round((n0 + n1) / 2))
+    assert pol.controller.costs.measured(2, w_eq)
+    # expected tokens of the round: one per row plus every verified node's reach
+    assert pol._rate[2][0] == pytest.approx(2 + 0.9 * n0 + 0.5 * n1)
+
+
+def test_cut_rows_keeps_each_rows_best_first_prefix():
+    from sglang_tev.plan import cut_rows
+
+    g = torch.Generator().manual_seed(0)
+    lq = torch.log_softmax(torch.randn(3, 4, 30, generator=g), -1)
+    tree = build_ddtree(lq, 8, torch.tensor([1, 2, 3]))
+    out = cut_rows(tree, [5, 0, 2])
+    assert out.num_nodes == 6 and out.valid.sum(1).tolist() == [6, 1, 3]
+    for b, n in enumerate([6, 1, 3]):
+        assert torch.equal(out.tokens[b, :n], tree.tokens[b, :n]) and torch.equal(out.parents[b, 1:n], tree.parents[b, 1:n])
+        assert torch.equal(out.ancestor_mask[b, :n, :n], tree.ancestor_mask[b, :n, :n])
+    assert cut_rows(tree, [3, 3, 3]).valid.all()
+    for bad in ([1, 2], [1, -1, 2], [1, 2.0, 3], [True, 1, 1]):
+        with pytest.raises(ValueError, match="budgets must be 3 non-negative ints"):
+            cut_rows(tree, bad)
+    with pytest.raises(SpecError, match="layout"):
+        TreePlanner(_planner().controller, layout="jagged")

@@ -265,7 +265,8 @@ def test_other_verifiers_greedy_and_mixed(hosts, prompt_ids, plain_greedy, hf_mo
 # ---------------------------------------------------------------------- load-adaptive trees
 def test_auto_budget_keeps_plain_decodings_tokens_and_the_law(hosts, prompt_ids, plain_greedy, hf_model):
     """SGLANG_TEV_BUDGET=auto with capacity N = 17: each round's width comes from the planner
-    (calibration first: the capacity, plain decoding, a middle width), and greedy rows, in a greedy
+    (calibration first: the capacity, plain decoding, a middle width; then each request's tree cut
+    to its own size, verified in one ragged forward), and greedy rows, in a greedy
     batch or next to sampled rows, keep plain decoding's tokens; every round comes back with its
     budget; the seeded first two tokens follow the target law."""
     for name in list(hosts.hosts):
@@ -275,8 +276,10 @@ def test_auto_budget_keeps_plain_decodings_tokens_and_the_law(hosts, prompt_ids,
     assert_same_ids(ids_of(out), plain_greedy, prompt_ids, hf_model, "auto (N=17) vs plain")
     budgets = [b for o in out for b in o["meta_info"]["tev_budget"]]
     assert all(len(o["meta_info"]["tev_budget"]) == o["meta_info"]["spec_verify_ct"] for o in out)
-    # 0: plain steps (SGLang's DECODE forward), calibrated right after the capacity
-    assert 0 in budgets and len(set(budgets)) >= 2 and set(budgets) <= {0, 2, 4, 8, 16}, sorted(set(budgets))
+    # 0: plain steps (SGLang's DECODE forward), calibrated right after the capacity; tev_cpu takes
+    # ragged verifies, so steady rounds cut each request's tree to its own size, off the width grid
+    assert 0 in budgets and len(set(budgets)) >= 2 and all(0 <= b <= 16 for b in budgets), sorted(set(budgets))
+    assert set(budgets) - {0, 2, 4, 8, 16}, sorted(set(budgets))
     mixed = eng.generate(
         prompt_ids[:4] * 2,
         greedy_params(MAX_NEW[:4]) + [{"temperature": 1.0, "max_new_tokens": n} for n in MAX_NEW[:4]],

@@ -62,12 +62,15 @@ def test_rounds_calibrate_then_cut_steady_trees_to_a_prefix():
     assert cuts > 0, (seen, served.planner.widths)
 
 
-def test_tp_followers_adopt_rank0s_plans_whatever_their_own_clocks_say():
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_tp_followers_adopt_rank0s_plans_whatever_their_own_clocks_say(layout):
     """TP: rank 0 (leader) and rank 1 (follower) run the same rounds in lockstep through a
     broadcast that hands rank 0's objects to rank 1 (as SGLang's ``broadcast_object``). The
     follower's clock says every node costs 100x more (the round's fixed part the same), yet it runs rank 0's width every round and
-    cuts its own tree (built from the same draft) exactly as rank 0 cut its. Control: the same
-    follower deciding alone (no broadcast) parts from rank 0."""
+    cuts its own tree (built from the same draft) exactly as rank 0 cut its, per request under the
+    ragged layout. Control: the same follower deciding alone (no broadcast) parts from rank 0."""
+
+    ragged = [0]
 
     def run(follower_broadcast: bool):
         clocks = [[0.0], [0.0]]
@@ -81,16 +84,18 @@ def test_tp_followers_adopt_rank0s_plans_whatever_their_own_clocks_say():
                 return channel.pop(0)
             return f
 
-        leader = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[0][0], broadcast=bcast(0))
+        leader = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[0][0], broadcast=bcast(0),
+                              layout=layout)
         follower = (
-            ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[1][0], broadcast=bcast(1), leader=False)
+            ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[1][0], broadcast=bcast(1),
+                         leader=False, layout=layout)
             if follower_broadcast
-            else ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[1][0])
+            else ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=lambda: clocks[1][0], layout=layout)
         )
         g = torch.Generator().manual_seed(0)
         widths = []
         for _ in range(80):
-            logits = torch.randn(2, 7, 20, generator=g) * 3
+            logits = torch.randn(2, 7, 20, generator=g) * torch.tensor([3.0, 1.0]).view(2, 1, 1)
             pair = []
             for rank, served in enumerate((leader, follower)):
                 plan = served.plan(2)
@@ -108,11 +113,15 @@ def test_tp_followers_adopt_rank0s_plans_whatever_their_own_clocks_say():
             if follower_broadcast:
                 (p0, t0), (p1, t1) = pair
                 assert p1 == p0 and torch.equal(t1.tokens, t0.tokens) and torch.equal(t1.parents, t0.parents)
+                assert torch.equal(t1.valid, t0.valid) and t0.valid.sum(1).tolist() == [
+                    min(b + 1, t0.num_nodes) for b in p0.budgets] if p0.budget else True
+                ragged[0] += p0.ragged
         return widths, follower
 
     widths, follower = run(True)
     assert all(a == b for a, b in widths) and len({a for a, _ in widths}) > 2  # widths changed, in step
     assert follower.rounds == 80
+    assert (ragged[0] > 0) == (layout == "ragged"), ragged  # rows of different widths in the same round
     alone, _ = run(False)
     assert any(a != b for a, b in alone), alone  # without adoption the ranks would part
 
@@ -243,6 +252,8 @@ def test_bad_arguments_and_rounds_out_of_order_are_refused():
     for k in (0, 1, True, None, 8.0):
         with pytest.raises(ValueError, match="block_size"):
             ServedBudget(16, k)
+    with pytest.raises(ValueError, match="layout"):
+        ServedBudget(16, 8, layout="jagged")
     served = ServedBudget(16, 8, costs=CostTable(load_correction=False), clock=_Clock())
     for bs in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="bs"):

@@ -309,6 +309,63 @@ def test_target_verify_reads_prefix_columns_and_ignores_padding_past_the_layout(
     assert_close(out, s.reference(masks))
 
 
+def ragged_layout(lens, host=True):
+    from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+    q = torch.tensor(lens, dtype=torch.int32)
+    indptr = torch.nn.functional.pad(torch.cumsum(q, 0, dtype=torch.int32), (1, 0))
+    return RaggedVerifyLayout(
+        verify_lens=q, graph_num_tokens=sum(lens), extend_start_loc=indptr[:-1], qo_indptr_device=indptr,
+        verify_lens_cpu=list(lens) if host else None, total_verify_tokens=sum(lens) if host else None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_target_verify_ragged_trees_each_request_its_own_first_nodes(host):
+    # per-request trees of different sizes in one forward: request b verifies the first lens[b]
+    # nodes of its best-first tree, packed request after request (SGLang's RaggedVerifyLayout)
+    from sglang_tev.plan import cut_tree
+    from sglang_tev.srt.round import ragged_pack, tree_verify_layout
+
+    prefix_lens, lens, budget = [7, 2, 11, 4], [9, 1, 4, 6], 8
+    tree = random_trees(len(prefix_lens), budget, seed=21)
+    s = Setup(prefix_lens=prefix_lens, q_lens=lens, seed=21)
+    seq = torch.tensor(prefix_lens)
+    pack = ragged_pack(tree, tree_verify_layout(tree, seq, sum(prefix_lens)), seq, lens, prefix_lens)
+    masks = []
+    for b, n in enumerate(lens):  # the reference: each request's own tree of n nodes, alone
+        own = cut_tree(type(tree).from_parents(tree.parents[b : b + 1], tree.tokens[b : b + 1]), n)
+        masks.append(torch.cat([torch.ones(n, prefix_lens[b], dtype=torch.bool), own.ancestor_mask[0]], 1))
+    assert torch.equal(pack.custom_mask, flatten_full_layout(masks))
+    assert pack.cols.tolist() == [b * (budget + 1) + i for b, n in enumerate(lens) for i in range(n)]
+    spec = verify_input(budget + 1, pack.custom_mask)
+    spec.ragged_verify_layout = ragged_layout(lens, host)
+    backend = TorchCPUAttnBackend(s.runner)
+    out = run(backend, s, s.layer(), s.batch(ForwardMode.TARGET_VERIFY, spec))
+    assert_close(out, s.reference(masks))
+    assert torch.equal(s.kv.get_key_buffer(1)[s.out_cache_loc], s.k)
+    # the mask is read per request: ignoring the layout (uniform N) is refused by size, not misread
+    spec.ragged_verify_layout = None
+    with pytest.raises(ValueError, match="custom_mask has"):
+        backend.init_forward_metadata(s.batch(ForwardMode.TARGET_VERIFY, spec))
+    spec.ragged_verify_layout = ragged_layout([9, 0, 4, 6], host=False)  # SGLang refuses it with host lengths
+    with pytest.raises(ValueError, match="ragged verify lengths must be >= 1"):
+        backend.init_forward_metadata(s.batch(ForwardMode.TARGET_VERIFY, spec))
+
+
+def test_ragged_pack_refuses_bad_lengths():
+    from sglang_tev.srt.round import ragged_pack, tree_verify_layout
+
+    tree = random_trees(2, 4, seed=3)
+    seq = torch.tensor([3, 5])
+    layout = tree_verify_layout(tree, seq, 8)
+    for bad in ([1], [0, 2], [2, 6]):
+        with pytest.raises(ValueError, match="lens must be 2 ints in"):
+            ragged_pack(tree, layout, seq, bad, [3, 5])
+    with pytest.raises(ValueError, match="seq_lens_cpu"):
+        ragged_pack(tree, layout, seq, [2, 2], [3])
+
+
 @pytest.mark.parametrize("attn_type,expect", [(AttentionType.DECODER, causal_masks), (AttentionType.ENCODER_ONLY, full_masks)])
 def test_target_verify_without_mask(attn_type, expect):
     # DFLASH's chain verify (DECODER, causal in the block) and its draft block (ENCODER_ONLY, full)

@@ -34,11 +34,14 @@ require_sglang()
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("verifier,budget_mode", [("tev", "fixed"), ("sequential", "fixed"), ("tev", "auto")])
+@pytest.mark.parametrize("verifier,budget_mode", [("tev", "fixed"), ("sequential", "fixed"), ("tev", "auto"),
+                                                   ("tev", "auto-ragged")])
 def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, budget_mode):
     """Rounds of the worker on the tiny target (fake SGLang pools and runners) commit plain greedy
     decoding's tokens and KV; with SGLANG_TEV_BUDGET=auto the width changes round to round (plain
-    steps included, each as SGLang's DECODE forward) and the same holds."""
+    steps included, each as SGLang's DECODE forward) and the same holds; on a backend that takes
+    ragged verifies (``auto-ragged``: tev_cpu) each request's tree has its own size, verified in
+    one packed forward."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -46,7 +49,10 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
     from transformers import AutoModelForCausalLM
 
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
     import sglang_tev.srt.worker as W
+    from sglang_tev.srt.cpu_attention import TorchCPUAttnBackend
     from sglang_tev.srt.kv_headroom import required_row_extra
 
     target = AutoModelForCausalLM.from_pretrained(ROOT / "sglang_tev/assets/tiny-code/target", dtype=torch.float32).eval()
@@ -101,11 +107,16 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         if getattr(forward_batch, "forward_mode", None) == ForwardMode.DECODE:
             return decode_forward(forward_batch)
         vi, loc, seq = forward_batch.spec_info, forward_batch.out_cache_loc, forward_batch.seq_lens
-        n = vi.draft_token_num
-        logits = torch.empty(bs * n, V)
+        lay = vi.ragged_verify_layout  # request b's lens[b] nodes packed at indptr[b] (else N each)
+        lens = [vi.draft_token_num] * bs if lay is None else list(lay.verify_lens_cpu)
+        assert lay is None or (budget_mode == "auto-ragged" and lay.qo_indptr_device.tolist()[-1] == sum(lens))
+        indptr = [sum(lens[:b]) for b in range(bs + 1)]
+        seen["indptr"], seen["ragged"] = indptr, seen.get("ragged", 0) + (len(set(lens)) > 1)
+        assert vi.draft_token.numel() == loc.numel() == indptr[-1]
+        logits = torch.empty(indptr[-1], V)
         start = 0
         for b in range(bs):
-            s = int(seq[b])
+            s, n, o = int(seq[b]), lens[b], indptr[b]
             ctx = kv[req_to_token[pool_idx[b], :s]]  # the committed context, read from the KV store
             assert bool((ctx >= 0).all())
             if vi.custom_mask is None:  # causal, as SGLang's backends read a mask-less verify
@@ -120,12 +131,12 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
             full[:s, :s] = torch.ones(s, s, dtype=torch.bool).tril()
             full[s:] = rows
             add = torch.zeros(1, 1, s + n, s + n).masked_fill_(~full, torch.finfo(torch.float32).min)
-            inp = torch.cat([ctx, vi.draft_token[b * n : (b + 1) * n]]).view(1, -1)
-            pos = torch.cat([torch.arange(s), vi.positions[b * n : (b + 1) * n]]).view(1, -1)
-            logits[b * n : (b + 1) * n] = target(inp, position_ids=pos, attention_mask=add).logits[0, s:]
+            inp = torch.cat([ctx, vi.draft_token[o : o + n]]).view(1, -1)
+            pos = torch.cat([torch.arange(s), vi.positions[o : o + n]]).view(1, -1)
+            logits[o : o + n] = target(inp, position_ids=pos, attention_mask=add).logits[0, s:]
         kv[loc] = vi.draft_token  # the verify forward writes every node's KV into the window
         seen["draft_token"] = vi.draft_token.clone()
-        hidden = torch.arange(bs * n, dtype=torch.float32).view(-1, 1).repeat(1, 2)  # row id as a feature
+        hidden = torch.arange(indptr[-1], dtype=torch.float32).view(-1, 1).repeat(1, 2)  # row id as a feature
         return SimpleNamespace(
             logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=False
         )
@@ -146,7 +157,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
             inp = torch.cat([ctx, fb.input_ids[b : b + 1]]).view(1, -1)
             logits[b] = target(inp).logits[0, -1]
         kv[fb.out_cache_loc] = fb.input_ids
-        seen["draft_token"] = fb.input_ids.clone()
+        seen["draft_token"], seen["indptr"] = fb.input_ids.clone(), list(range(bs + 1))
         hidden = torch.arange(bs, dtype=torch.float32).view(-1, 1).repeat(1, 2)
         return SimpleNamespace(
             logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=False
@@ -170,10 +181,11 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         # rows exactly as long as the plugin's headroom makes them (the worker checks on its first decode)
         model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1)),
     )
-    monkeypatch.setenv("SGLANG_TEV_BUDGET", budget_mode)
+    monkeypatch.setenv("SGLANG_TEV_BUDGET", budget_mode.split("-")[0])
     w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier,
                          model_runner=model_runner, target_forward=target_forward, draft_forward=draft_forward,
-                         translator=translator, append_draft_kv=lambda **kw: appended.append(kw))
+                         translator=translator, append_draft_kv=lambda **kw: appended.append(kw),
+                         attention_backend=TorchCPUAttnBackend if budget_mode == "auto-ragged" else TritonAttnBackend)
     assert w._round_log.interval == 40  # SGLang's default --decode-log-interval (not in these args)
     lines = []
     w._round_log = RoundLog(2, SimpleNamespace(info=lines.append))
@@ -218,12 +230,17 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
             want = [int(roots[b])] + res.next_token_ids[b * N : b * N + a - 1].tolist()
             rows = last["target_hidden"][b * wr : b * wr + a, 0].long()
             assert seen["draft_token"][rows].tolist() == want
-            assert bool((rows // wr == b).all())
+            assert bool((rows >= seen["indptr"][b]).all()) and bool((rows < seen["indptr"][b + 1]).all())
         info = res.logits_output.customized_info
         assert list(info["tev_accept_length"]) == res.accept_lens.tolist()
         assert [a + 1 for a in info["tev_exit_depth"]] == res.accept_lens.tolist()
         accepts += info["tev_exit_depth"]
-        assert list(info["tev_budget"]) == [wr - 1] * bs  # every request's tree filled this round's width
+        budgets = list(info["tev_budget"])
+        if budget_mode == "auto-ragged":  # each request's own tree, the widest sets the round's width
+            ip = seen["indptr"]
+            assert max(budgets) == wr - 1 and budgets == [ip[b + 1] - ip[b] - 1 for b in range(bs)]
+        else:
+            assert budgets == [wr - 1] * bs  # every request's tree filled this round's width
         assert len(list(info["tev_coverage"])) == bs  # every column read, as the scheduler does
         assert batch.seq_lens_cpu is seen["seq_cpu"] or torch.equal(batch.seq_lens_cpu, seen["seq_cpu"])  # restored
         batch.seq_lens = res.new_seq_lens.clone()
@@ -248,4 +265,8 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         assert w._served_budget.rounds == rounds and {N, 1} <= set(widths), widths
         # root-only rounds (no graphs here) run as SGLang's DECODE forward, the others verify the tree
         assert seen.get("decode", 0) == sum(wr == 1 for wr in widths) and seen.get("maskless", 0) == 0
+        # read from the target's attention backend at the first decode
+        assert w._served_budget.layout == ("ragged" if budget_mode == "auto-ragged" else "padded")
+        # per-request trees of different sizes went through one packed forward, only where ragged
+        assert (seen.get("ragged", 0) > 0) == (budget_mode == "auto-ragged"), seen.get("ragged")
     assert sum(accepts) / len(accepts) >= 1.5
