@@ -1,6 +1,7 @@
 """SGLang's own serving benchmark against CPU servers: plain decoding, SGLang's DFLASH, TEV with a
 fixed tree (N = 17, 65) and TEV load-adaptive (``SGLANG_TEV_BUDGET=auto``, capacity 65; ``auto17``:
-capacity 17).
+capacity 17; ``auto65-uniform``: ``SGLANG_TEV_BUDGET=auto-uniform``, one width per round for the
+batch where ``auto`` sizes each request's tree).
 
 One HTTP server per mode, all started first and kept up (``python -m
 sglang_tev.testing.sglang_cpu.serve``: ``sglang.launch_server`` with the CPU harness, the shipped
@@ -50,6 +51,8 @@ MODES = {
     "tev65": ("tev", 65, {"SGLANG_TEV_BUDGET": "fixed"}),
     "auto65": ("tev", 65, {"SGLANG_TEV_BUDGET": "auto"}),
     "auto17": ("tev", 17, {"SGLANG_TEV_BUDGET": "auto"}),
+    # one width per round for the batch, on the same backend (tev_cpu takes ragged verifies)
+    "auto65-uniform": ("tev", 65, {"SGLANG_TEV_BUDGET": "auto-uniform"}),
 }
 
 

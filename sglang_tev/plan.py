@@ -12,8 +12,9 @@ Two policies:
 * :class:`AutoBudget` -- ``budget="auto"``: the measured-cost controller of
   :mod:`sglang_tev.autobudget` (its choice from past rounds only, so the output law is
   untouched); a budget-B round drafts a block of ``min(K, B + 1)`` tokens, since a tree of B
-  nodes reaches depth B at most. Today every row of a batch gets the same budget; the plan's
-  shape already holds one per row.
+  nodes reaches depth B at most. :class:`TreePlanner` with ``layout="ragged"`` (the SGLang worker on
+  a backend that takes ragged verifies) gives each row its own budget; the transformers runtime
+  pads rows to one width.
 
 Torch-free: plans are host data, made before any device work of the round.
 """

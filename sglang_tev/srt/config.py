@@ -142,8 +142,9 @@ class TevSettings:
         max_depth: D, deepest drafted node, 1 <= D <= K - 1; ``speculative_num_steps``.
         topk: k, per-depth list width of the DDTree builder.
         verifier: one of :data:`VERIFIERS`.
-        budget_mode: ``fixed`` (N - 1 nodes every round) or ``auto`` (one width per round for the
-            batch, at most N - 1, from the planner; ``SGLANG_TEV_BUDGET``).
+        budget_mode: ``fixed`` (N - 1 nodes every round), ``auto`` (a width per request where the
+            attention backend takes ragged verifies, else per round; at most N - 1, from the
+            planner) or ``auto-uniform`` (one width per round for the batch); ``SGLANG_TEV_BUDGET``.
     """
 
     tree_size: int
@@ -441,7 +442,7 @@ def resolve_server_args(
         if _device_kind(sa) == "cpu":
             logger.info("TEV: decode graphs off on --device cpu (SGLang has no CPU graph runner for speculative decoding)")
             sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
-        elif budget_mode == "auto":
+        elif budget_mode != "fixed":
             # the verify width changes every round; graphs per width tier are not captured yet
             logger.warning("TEV: %s=auto runs the decode eagerly (no per-width CUDA graphs yet)", ENV_BUDGET)
             sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))

@@ -232,7 +232,7 @@ class TEVWorker(DFlashWorkerV2):
         # SGLANG_TEV_BUDGET=auto: a tree width per request (ragged verify) or per round (budget.py); fixed: N - 1.
         # Under TP rank 0 decides and every rank adopts its plans (broadcast on the TP CPU group)
         self._served_budget = None
-        if self.tev.budget_mode == "auto":
+        if self.tev.budget_mode != "fixed":
             broadcast = None
             if int(getattr(server_args, "tp_size", 1) or 1) > 1:
                 from sglang.srt.distributed import get_tp_group
@@ -316,13 +316,15 @@ class TEVWorker(DFlashWorkerV2):
     def _resolve_verify_layout(self, served: ServedBudget) -> None:
         """Per-request tree sizes (ragged verify) where the target's attention backend takes them,
         else one width per round for the batch; said once, on rank 0."""
-        served.layout = verify_layout_for(self.target_worker.model_runner.attn_backend)
+        served.layout = "padded"
+        if self.tev.budget_mode == "auto":  # auto-uniform: one width per round whatever the backend
+            served.layout = verify_layout_for(self.target_worker.model_runner.attn_backend)
         self._layout_resolved = True
         if get_parallel().tp_rank != 0:
             return
         if served.layout == "ragged":
             logger.info("TEV: SGLANG_TEV_BUDGET=auto sizes each request's tree (ragged verify)")
-        else:
+        elif self.tev.budget_mode == "auto":
             logger.warning("TEV: SGLANG_TEV_BUDGET=auto gives one tree width per round for the batch: the attention "
                            "backend takes no ragged verify (per-request widths need one of %s)",
                            ", ".join(RAGGED_VERIFY_BACKENDS))

@@ -35,13 +35,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("verifier,budget_mode", [("tev", "fixed"), ("sequential", "fixed"), ("tev", "auto"),
-                                                   ("tev", "auto-ragged")])
+                                                   ("tev", "auto-ragged"), ("tev", "auto-uniform")])
 def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, budget_mode):
     """Rounds of the worker on the tiny target (fake SGLang pools and runners) commit plain greedy
     decoding's tokens and KV; with SGLANG_TEV_BUDGET=auto the width changes round to round (plain
     steps included, each as SGLang's DECODE forward) and the same holds; on a backend that takes
     ragged verifies (``auto-ragged``: tev_cpu) each request's tree has its own size, verified in
-    one packed forward."""
+    one packed forward; ``auto-uniform`` keeps one width per round there."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -181,11 +181,11 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         # rows exactly as long as the plugin's headroom makes them (the worker checks on its first decode)
         model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1)),
     )
-    monkeypatch.setenv("SGLANG_TEV_BUDGET", budget_mode.split("-")[0])
+    monkeypatch.setenv("SGLANG_TEV_BUDGET", {"auto-ragged": "auto"}.get(budget_mode, budget_mode))
     w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier,
                          model_runner=model_runner, target_forward=target_forward, draft_forward=draft_forward,
                          translator=translator, append_draft_kv=lambda **kw: appended.append(kw),
-                         attention_backend=TorchCPUAttnBackend if budget_mode == "auto-ragged" else TritonAttnBackend)
+                         attention_backend=TritonAttnBackend if budget_mode == "auto" else TorchCPUAttnBackend)
     assert w._round_log.interval == 40  # SGLang's default --decode-log-interval (not in these args)
     lines = []
     w._round_log = RoundLog(2, SimpleNamespace(info=lines.append))
