@@ -100,7 +100,8 @@ def captured_stderr(path: Path):
 
 def parse_mode(spec: str) -> tuple[str, bool]:
     """``TEV`` -> ("TEV", graphs on); ``TEV-eager`` -> ("TEV", graphs off); ``TEV-auto`` -> ("TEV",
-    graphs off) with ``SGLANG_TEV_BUDGET=auto`` (load-adaptive widths run eagerly for now)."""
+    graphs off) with ``SGLANG_TEV_BUDGET=auto`` (load-adaptive widths run eagerly for now: a width
+    per request through one ragged verify forward on FlashInfer, one per round on Triton)."""
     name, _, suffix = spec.partition("-")
     if name not in ("none", "DFLASH", "TEV") or suffix not in ("", "eager", "auto") or (suffix == "auto" and name != "TEV"):
         raise ValueError(f"unknown mode {spec!r}: none, DFLASH or TEV, optionally with -eager; TEV-auto")
@@ -221,7 +222,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--modes", default="none,DFLASH,TEV,TEV-eager,TEV-auto",
         help="comma-separated subset of none, DFLASH, TEV, each optionally with -eager (decode CUDA graphs off), "
-             "and TEV-auto (SGLANG_TEV_BUDGET=auto: per-round widths, eager)",
+             "and TEV-auto (SGLANG_TEV_BUDGET=auto, eager: per-request widths through a ragged verify on "
+             "flashinfer, per-round widths on triton)",
     )  # fmt: skip
     p.add_argument("--log-dir", default=None, help="engine logs (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write the results here")

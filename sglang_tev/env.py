@@ -245,8 +245,9 @@ _VARIABLES = (
              "build and use the native C host helpers (DDTree builder, greedy walk, KV move); off: the "
              "identical Python paths", USER),
     Variable(PLAN_CACHE, _native, True, "0 | false | no | off (any case) turn it off; anything else leaves it on",
-             "budget=\"auto\" keeps what it learned (cost table, gains, reach calibration) per machine, model "
-             "pair and dtype under $SGLANG_TEV_CACHE/plan, so a fresh process starts from it", USER),
+             "budget=\"auto\" and SGLANG_TEV_BUDGET=auto keep what they learned (cost table, gains, reach "
+             "calibration) per machine, model pair and dtype (a server: also TP size, backend, layout, N, K) "
+             "under $SGLANG_TEV_CACHE/plan, so a fresh process or a restarted server starts from it", USER),
     Variable(REFERENCE_ATTENTION, _exactly_one, False, "1 = on; anything else off",
              "register the SGLang plugin's pure-torch tev_cpu attention backend on a GPU machine too "
              "(a reference for mask layouts)", USER),

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from ..autobudget import DEFAULT_GRID, BudgetController
 from ..costs import CostTable
 from ..plan import RoundPlan, TreePlanner, cut_rows
+from ..hf.plan_cache import controller_gains, restore_gains
 from ..planner import ReachCalibration, regime_of
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ class ServedBudget:
         self.cost_tables: dict[str, CostTable] = {LAWS[0]: base}  # law -> the seconds of its rounds
         self.calibration = ReachCalibration()
         self.planners: dict[str, TreePlanner] = {}  # law -> its planner over its own controller
+        self._saved_gains: dict[str, dict] = {}  # law -> gains restored from a plan cache (srt/plan_store.py)
         self.law = LAWS[0]  # the law of the round in flight (of the last one between rounds)
         self.capacity = int(capacity)
         self.layout = layout
@@ -149,8 +151,35 @@ class ServedBudget:
             table = self.cost_tables.setdefault(
                 self.law, CostTable(frozen=base.frozen, window=base.window, load_correction=base.load_correction))
             ctl = BudgetController(self.grid, table)
+            if self.law in self._saved_gains:
+                restore_gains(ctl, self._saved_gains[self.law])
             p = self.planners[self.law] = TreePlanner(ctl, self.block_size, calibration=self.calibration, layout=self.layout)
         return p
+
+    def restore(self, law: str, cost_table: CostTable, gains: dict | None, calibration: ReachCalibration) -> None:
+        """Start ``law`` from what an earlier server learned (:mod:`sglang_tev.srt.plan_store`):
+        its cost table, its controller's gains (``controller_gains``' dict, or None) and the
+        shared reach calibration. Only before that law's first round.
+
+        Raises:
+            ValueError naming ``law`` (not one of :data:`LAWS`); RuntimeError once its planner runs.
+        """
+        if law not in LAWS:
+            raise ValueError(f"law must be one of {LAWS}, got {law!r}")
+        if law in self.planners:
+            raise RuntimeError(f"law {law!r} already planned a round: restore before the first one")
+        self.cost_tables[law] = cost_table
+        if gains is not None:
+            self._saved_gains[law] = gains
+        self.calibration = calibration
+        for p in self.planners.values():  # one calibration for every law
+            p.calibration = calibration
+
+    def gains(self, law: str) -> dict | None:
+        """``law``'s controller gains as a plan cache keeps them (the restored ones while it has not
+        planned yet; None when it has neither)."""
+        p = self.planners.get(law)
+        return controller_gains(p.controller) if p is not None else self._saved_gains.get(law)
 
     @property
     def controller(self) -> BudgetController:

@@ -70,7 +70,9 @@ from ..verify import num_uniforms
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
+from ..hf.plan_cache import enabled as plan_cache_enabled
 from .budget import ServedBudget
+from .plan_store import SAVE_EVERY, ServedPlanStore, served_key
 from .kv_headroom import check_row_headroom
 from .meta_info import META_INFO_KEYS, RoundLog
 from .penalties import apply_tree_penalties, count_accepted
@@ -232,9 +234,11 @@ class TEVWorker(DFlashWorkerV2):
         # SGLANG_TEV_BUDGET=auto: a tree width per request (ragged verify) or per round (budget.py); fixed: N - 1.
         # Under TP rank 0 decides and every rank adopts its plans (broadcast on the TP CPU group)
         self._served_budget = None
+        self._plan_store = None  # rank 0's plan cache under auto (srt/plan_store.py), opened at the first decode
+        self._tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         if self.tev.budget_mode != "fixed":
             broadcast = None
-            if int(getattr(server_args, "tp_size", 1) or 1) > 1:
+            if self._tp_size > 1:
                 from sglang.srt.distributed import get_tp_group
 
                 group = get_tp_group()
@@ -313,15 +317,24 @@ class TEVWorker(DFlashWorkerV2):
 
         return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
 
-    def _resolve_verify_layout(self, served: ServedBudget) -> None:
+    def _first_auto_decode(self, served: ServedBudget) -> None:
         """Per-request tree sizes (ragged verify) where the target's attention backend takes them,
-        else one width per round for the batch; said once, on rank 0."""
+        else one width per round for the batch; said once, on rank 0, which also restores what an
+        earlier server learned (``SGLANG_TEV_PLAN_CACHE``, :mod:`sglang_tev.srt.plan_store`)."""
+        runner = self.target_worker.model_runner
         served.layout = "padded"
         if self.tev.budget_mode == "auto":  # auto-uniform: one width per round whatever the backend
-            served.layout = verify_layout_for(self.target_worker.model_runner.attn_backend)
+            served.layout = verify_layout_for(runner.attn_backend)
         self._layout_resolved = True
         if get_parallel().tp_rank != 0:
             return
+        if plan_cache_enabled():
+            key = served_key(runner.model, self.draft_model, runner.model_config.dtype, self.device,
+                             tp_size=self._tp_size, attn_backend=runner.attn_backend, layout=served.layout,
+                             capacity=served.capacity, block_size=self.block_size)
+            self._plan_store = ServedPlanStore(key)
+            laws = self._plan_store.load_into(served)
+            logger.info("TEV plan cache: %s", f"restored {', '.join(laws)}" if laws else "nothing to restore yet")
         if served.layout == "ragged":
             logger.info("TEV: SGLANG_TEV_BUDGET=auto sizes each request's tree (ragged verify)")
         elif self.tev.budget_mode == "auto":
@@ -509,7 +522,7 @@ class TEVWorker(DFlashWorkerV2):
         prefix = batch.seq_lens
         served = self._served_budget
         if served is not None and not self._layout_resolved:
-            self._resolve_verify_layout(served)
+            self._first_auto_decode(served)
         # the batch's target law picks the planner's controller (a host flag: no device read)
         round_plan = served.plan(bs, bool(batch.sampling_info.is_all_greedy)) if served is not None else None
         budget = self.tev.budget if round_plan is None else round_plan.budget
@@ -651,6 +664,8 @@ class TEVWorker(DFlashWorkerV2):
         elif served is not None:  # the round's one host read: the planner's cost and reach labels
             dec = out.host(tree, reach_at=list(round_plan.reach_at), reach_nodes=True)
             served.observe(round_plan, dec.reach_cum, dec.reach_nodes)
+        if self._plan_store is not None and served.rounds % SAVE_EVERY == 0:
+            self._plan_store.save_from(served)
         tree_budgets = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
         logits_output.customized_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, tree_budgets)
         if self._round_log is not None:

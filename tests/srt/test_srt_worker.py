@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("verifier,budget_mode", [("tev", "fixed"), ("sequential", "fixed"), ("tev", "auto"),
                                                    ("tev", "auto-ragged"), ("tev", "auto-uniform")])
-def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, budget_mode):
+def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, verifier, budget_mode):
     """Rounds of the worker on the tiny target (fake SGLang pools and runners) commit plain greedy
     decoding's tokens and KV; with SGLANG_TEV_BUDGET=auto the width changes round to round (plain
     steps included, each as SGLang's DECODE forward) and the same holds; on a backend that takes
@@ -179,9 +179,13 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: fake_kv, page_size=1),
         model=SimpleNamespace(lm_head=torch.nn.Linear(2, V)),
         # rows exactly as long as the plugin's headroom makes them (the worker checks on its first decode)
-        model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1)),
+        model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1), dtype=torch.float32),
     )
     monkeypatch.setenv("SGLANG_TEV_BUDGET", {"auto-ragged": "auto"}.get(budget_mode, budget_mode))
+    if budget_mode == "auto-ragged":  # rank 0 keeps what it learned (srt/plan_store.py), every 4 rounds here
+        monkeypatch.setenv("SGLANG_TEV_PLAN_CACHE", "1")
+        monkeypatch.setenv("SGLANG_TEV_CACHE", str(tmp_path))
+        monkeypatch.setattr(W, "SAVE_EVERY", 4)
     w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier,
                          model_runner=model_runner, target_forward=target_forward, draft_forward=draft_forward,
                          translator=translator, append_draft_kv=lambda **kw: appended.append(kw),
@@ -269,4 +273,10 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, verifier, bud
         assert w._served_budget.layout == ("ragged" if budget_mode == "auto-ragged" else "padded")
         # per-request trees of different sizes went through one packed forward, only where ragged
         assert (seen.get("ragged", 0) > 0) == (budget_mode == "auto-ragged"), seen.get("ragged")
+        if budget_mode == "auto-ragged":  # the plan cache holds this server's greedy law, keyed by its layout
+            store = w._plan_store
+            assert store.files["greedy"].key["layout"] == "ragged" and store.files["greedy"].key["tp"] == 1
+            assert store.files["greedy"].load()["cost_table"].seconds[bs]
+        else:
+            assert w._plan_store is None
     assert sum(accepts) / len(accepts) >= 1.5
