@@ -266,6 +266,9 @@ class RaggedPack:
             included; ``1 <= lens[b] <= N``).
         cols: int64 [T], T = ``sum(lens)``: the padded row ``b * N + i`` of each packed token (what
             SGLang's ``KVLocPlan`` calls the window columns of a ragged verify's packed rows).
+        expand: int64 [bs * N]: for each padded row ``b * N + i`` the packed row that stands for it
+            (its own for ``i < lens[b]``; a cut node reads its request's root row, and is never
+            reached): ``packed.index_select(0, expand)`` is the padded layout in one pass.
         draft_token, positions: int64 [T], the padded layout's at ``cols``.
         custom_mask: bool, FULL layout over the packed rows: request b's ``lens[b]`` rows of
             ``seq_lens[b] + lens[b]`` entries (all True over the prefix, then its tree's ancestor
@@ -274,6 +277,7 @@ class RaggedPack:
 
     lens: list
     cols: torch.Tensor
+    expand: torch.Tensor
     draft_token: torch.Tensor
     positions: torch.Tensor
     custom_mask: torch.Tensor | None
@@ -307,6 +311,8 @@ def ragged_pack(tree: DraftTree, layout: TreeVerifyLayout, seq_lens: torch.Tenso
     rows = torch.repeat_interleave(torch.arange(b, device=dev), q)
     first = torch.cumsum(q, 0) - q
     cols = rows * n + torch.arange(int(q.sum()), device=dev) - first[rows]
+    i = torch.arange(n, device=dev).view(1, n)
+    expand = (first.view(b, 1) + torch.where(i < q.view(b, 1), i, 0)).reshape(-1)
     mask = None
     if layout.custom_mask is not None:
         seq = seq_lens.to(device=dev, dtype=torch.int64)
@@ -322,7 +328,7 @@ def ragged_pack(tree: DraftTree, layout: TreeVerifyLayout, seq_lens: torch.Tenso
         # a scatter, not boolean indexing (which would read the count to the host)
         mask[torch.where(inside, idx, total).reshape(-1)] = tree.ancestor_mask.reshape(-1)
         mask = mask[:total]
-    return RaggedPack(lens=lens, cols=cols, draft_token=layout.draft_token[cols], positions=layout.positions[cols], custom_mask=mask)
+    return RaggedPack(lens=lens, cols=cols, expand=expand, draft_token=layout.draft_token[cols], positions=layout.positions[cols], custom_mask=mask)
 
 
 # ---------------------------------------------------------------------- target law

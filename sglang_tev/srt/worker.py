@@ -596,10 +596,9 @@ class TEVWorker(DFlashWorkerV2):
         if target_lp is not None and target_lp.is_deferred_shard(logits):
             logits = target_lp.finish_deferred_gather(logits)
             logits_output.next_token_logits = logits
-        if pack is not None:  # back to the [bs * N] node rows the round reads (cut nodes: zeros, never reached)
+        if pack is not None:  # back to the [bs * N] node rows the round reads (cut nodes: a root's, never reached)
             for name in ("next_token_logits", "hidden_states"):
-                x = getattr(logits_output, name)
-                setattr(logits_output, name, x.new_zeros((bs * N, *x.shape[1:])).index_copy_(0, pack.cols, x))
+                setattr(logits_output, name, getattr(logits_output, name).index_select(0, pack.expand))
             logits = logits_output.next_token_logits
         grammar_mask = None
         if grammar_tree is not None:

@@ -231,7 +231,8 @@ def _ragged_planner():
 
 
 def test_ragged_refine_equals_brute_force_over_per_row_budgets():
-    # every vector of per-row budgets, charged as a uniform round of total / batch nodes (the
+    # every vector of per-row budgets up to the uniform width the padded allocation picks (itself
+    # checked against brute force above), charged as a uniform round of total / batch nodes (the
     # table interpolated between integer widths, at least width 1), scored tokens - rate * seconds
     rng = random.Random(3)
     checked = 0
@@ -246,6 +247,11 @@ def test_ragged_refine_equals_brute_force_over_per_row_budgets():
         out = pol.refine(plan, scores, ["greedy"] * batch)
         values = [pol.calibration.values("greedy", s) for s in scores]
         costs, rate = pol.controller.costs, pol.rate(batch)
+        sizes = pol.controller.grid_upto(plan.budget)
+        alloc = allocate(values, lambda w: costs.cost(batch, w), layout="padded", sizes=sizes, rate=rate)
+        width = plan.budget if alloc is None else max(1, alloc.size)
+        width = min(plan.budget, next((g for g in sizes if g >= width), plan.budget))
+        values = [v[:width] for v in values]
 
         def seconds(total):
             w = max(1.0, total / batch)
@@ -265,7 +271,7 @@ def test_ragged_refine_equals_brute_force_over_per_row_budgets():
             continue
         got = batch + sum(sum(v[:x]) for v, x in zip(values, out.budgets)) - rate * seconds(sum(out.budgets))
         assert got == pytest.approx(best, abs=1e-9), (out.budgets, best_b)
-        assert all(0 <= x <= len(v) for x, v in zip(out.budgets, values))
+        assert all(0 <= x <= len(v) for x, v in zip(out.budgets, values)) and out.budget <= width
         # the controller learns gains only from sub-budgets every row verified in full
         assert out.reach_at == tuple(pol.controller.grid_upto(min(out.budgets)))
         checked += out.ragged
