@@ -1,7 +1,7 @@
 """SGLang's own serving benchmark against CPU servers: plain decoding, SGLang's DFLASH, TEV with a
 fixed tree (N = 17, 65) and TEV load-adaptive (``SGLANG_TEV_BUDGET=auto``, capacity 65; ``auto17``:
-capacity 17; ``auto65-uniform``: ``SGLANG_TEV_BUDGET=auto-uniform``, one width per round for the
-batch where ``auto`` sizes each request's tree).
+capacity 17; ``auto65-ragged``: ``SGLANG_TEV_BUDGET=auto-ragged``, each request's tree cut to its
+own size and verified in one ragged forward).
 
 One HTTP server per mode, all started first and kept up (``python -m
 sglang_tev.testing.sglang_cpu.serve``: ``sglang.launch_server`` with the CPU harness, the shipped
@@ -51,8 +51,8 @@ MODES = {
     "tev65": ("tev", 65, {"SGLANG_TEV_BUDGET": "fixed"}),
     "auto65": ("tev", 65, {"SGLANG_TEV_BUDGET": "auto"}),
     "auto17": ("tev", 17, {"SGLANG_TEV_BUDGET": "auto"}),
-    # one width per round for the batch, on the same backend (tev_cpu takes ragged verifies)
-    "auto65-uniform": ("tev", 65, {"SGLANG_TEV_BUDGET": "auto-uniform"}),
+    # each request's tree at its own size, one ragged verify forward (tev_cpu takes them)
+    "auto65-ragged": ("tev", 65, {"SGLANG_TEV_BUDGET": "auto-ragged"}),
 }
 
 

@@ -99,12 +99,14 @@ def captured_stderr(path: Path):
 
 
 def parse_mode(spec: str) -> tuple[str, bool]:
-    """``TEV`` -> ("TEV", graphs on); ``TEV-eager`` -> ("TEV", graphs off); ``TEV-auto`` -> ("TEV",
-    graphs off) with ``SGLANG_TEV_BUDGET=auto`` (load-adaptive widths run eagerly for now: a width
-    per request through one ragged verify forward on FlashInfer, one per round on Triton)."""
+    """``TEV`` -> ("TEV", graphs on); ``TEV-eager`` -> ("TEV", graphs off); ``TEV-auto`` /
+    ``TEV-auto-ragged`` -> ("TEV", graphs off) with ``SGLANG_TEV_BUDGET=auto`` / ``auto-ragged``
+    (load-adaptive widths run eagerly for now; auto-ragged: each request's tree at its own size
+    through one ragged verify forward on FlashInfer, one width per round on Triton)."""
     name, _, suffix = spec.partition("-")
-    if name not in ("none", "DFLASH", "TEV") or suffix not in ("", "eager", "auto") or (suffix == "auto" and name != "TEV"):
-        raise ValueError(f"unknown mode {spec!r}: none, DFLASH or TEV, optionally with -eager; TEV-auto")
+    auto = suffix in ("auto", "auto-ragged")
+    if name not in ("none", "DFLASH", "TEV") or suffix not in ("", "eager", "auto", "auto-ragged") or (auto and name != "TEV"):
+        raise ValueError(f"unknown mode {spec!r}: none, DFLASH or TEV, optionally with -eager; TEV-auto, TEV-auto-ragged")
     return name, suffix == ""
 
 
@@ -137,7 +139,7 @@ def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -
             kwargs["speculative_num_steps"] = args.max_depth
     log = log_dir / f"{backend}-{spec}.log"
     os.environ["SGLANG_LOG_DECODE_GRAPH_KEY"] = "1"
-    os.environ["SGLANG_TEV_BUDGET"] = "auto" if spec.endswith("-auto") else "fixed"
+    os.environ["SGLANG_TEV_BUDGET"] = spec.partition("-")[2] if "-auto" in spec else "fixed"
     with captured_stderr(log):
         engine = sglang.Engine(**kwargs)
         try:
@@ -220,10 +222,10 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--modes", default="none,DFLASH,TEV,TEV-eager,TEV-auto",
+        "--modes", default="none,DFLASH,TEV,TEV-eager,TEV-auto,TEV-auto-ragged",
         help="comma-separated subset of none, DFLASH, TEV, each optionally with -eager (decode CUDA graphs off), "
-             "and TEV-auto (SGLANG_TEV_BUDGET=auto, eager: per-request widths through a ragged verify on "
-             "flashinfer, per-round widths on triton)",
+             "TEV-auto (SGLANG_TEV_BUDGET=auto, eager: one width per round) and TEV-auto-ragged (auto-ragged: "
+             "per-request sizes through a ragged verify on flashinfer, per-round widths on triton)",
     )  # fmt: skip
     p.add_argument("--log-dir", default=None, help="engine logs (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write the results here")

@@ -166,7 +166,7 @@ def _dflash2_mode(raw: str) -> Optional[str]:
     return value
 
 
-SERVED_BUDGETS = ("fixed", "auto", "auto-uniform")
+SERVED_BUDGETS = ("fixed", "auto", "auto-ragged")
 """How the SGLang plugin sizes each round's trees (``SGLANG_TEV_BUDGET``)."""
 
 
@@ -233,11 +233,11 @@ _VARIABLES = (
              "how the SGLang plugin drafts with a DFlash2 checkpoint (unset: lattice when it has a candidate "
              "selector, else marginal)", USER, DFLASH2_MODES),
     Variable(BUDGET, _served_budget, "fixed", " | ".join(SERVED_BUDGETS) + " (any case; empty = fixed)",
-             "how the SGLang plugin sizes each round's trees: fixed = N - 1 nodes every round; auto = a width "
-             "per request (ragged verify on tev_cpu / FlashInfer; one width per round for the batch elsewhere), "
-             "from the calibrated exit law and the measured round cost, at most N - 1 (0 = a plain decoding "
-             "step; under TP rank 0's plan; CPU-verified, no CUDA graphs yet); auto-uniform = auto with one "
-             "width per round for the batch on every backend", USER, SERVED_BUDGETS),
+             "how the SGLang plugin sizes each round's trees: fixed = N - 1 nodes every round; auto = one width "
+             "per round for the batch, from the calibrated exit law and the measured round cost, at most N - 1 "
+             "(0 = a plain decoding step; under TP rank 0's plan; CPU-verified, no CUDA graphs yet); "
+             "auto-ragged = auto with each request's tree cut to its own size within that width, verified in one "
+             "ragged forward (tev_cpu, tested; FlashInfer, not run on a GPU; one width elsewhere)", USER, SERVED_BUDGETS),
     Variable(CACHE, _path, None, "a directory (empty = unset)",
              "where the native host helpers are built (unset: $XDG_CACHE_HOME/sglang_tev, else ~/.cache/sglang_tev)",
              USER),

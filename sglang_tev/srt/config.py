@@ -142,9 +142,10 @@ class TevSettings:
         max_depth: D, deepest drafted node, 1 <= D <= K - 1; ``speculative_num_steps``.
         topk: k, per-depth list width of the DDTree builder.
         verifier: one of :data:`VERIFIERS`.
-        budget_mode: ``fixed`` (N - 1 nodes every round), ``auto`` (a width per request where the
-            attention backend takes ragged verifies, else per round; at most N - 1, from the
-            planner) or ``auto-uniform`` (one width per round for the batch); ``SGLANG_TEV_BUDGET``.
+        budget_mode: ``fixed`` (N - 1 nodes every round), ``auto`` (one width per round for the
+            batch, at most N - 1, from the planner) or ``auto-ragged`` (``auto``, each request's
+            tree cut to its own size where the attention backend takes ragged verifies);
+            ``SGLANG_TEV_BUDGET``.
     """
 
     tree_size: int

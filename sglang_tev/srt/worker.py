@@ -323,7 +323,7 @@ class TEVWorker(DFlashWorkerV2):
         earlier server learned (``SGLANG_TEV_PLAN_CACHE``, :mod:`sglang_tev.srt.plan_store`)."""
         runner = self.target_worker.model_runner
         served.layout = "padded"
-        if self.tev.budget_mode == "auto":  # auto-uniform: one width per round whatever the backend
+        if self.tev.budget_mode == "auto-ragged":  # per-request sizes where the backend takes them
             served.layout = verify_layout_for(runner.attn_backend)
         self._layout_resolved = True
         if get_parallel().tp_rank != 0:
@@ -336,10 +336,10 @@ class TEVWorker(DFlashWorkerV2):
             laws = self._plan_store.load_into(served)
             logger.info("TEV plan cache: %s", f"restored {', '.join(laws)}" if laws else "nothing to restore yet")
         if served.layout == "ragged":
-            logger.info("TEV: SGLANG_TEV_BUDGET=auto sizes each request's tree (ragged verify)")
-        elif self.tev.budget_mode == "auto":
-            logger.warning("TEV: SGLANG_TEV_BUDGET=auto gives one tree width per round for the batch: the attention "
-                           "backend takes no ragged verify (per-request widths need one of %s)",
+            logger.info("TEV: SGLANG_TEV_BUDGET=auto-ragged sizes each request's tree (ragged verify)")
+        elif self.tev.budget_mode == "auto-ragged":
+            logger.warning("TEV: SGLANG_TEV_BUDGET=auto-ragged gives one tree width per round for the batch: the "
+                           "attention backend takes no ragged verify (per-request sizes need one of %s)",
                            ", ".join(RAGGED_VERIFY_BACKENDS))
 
     def _window_locs(self, batch, width: int) -> torch.Tensor:

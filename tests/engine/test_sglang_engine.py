@@ -264,14 +264,14 @@ def test_other_verifiers_greedy_and_mixed(hosts, prompt_ids, plain_greedy, hf_mo
 
 # ---------------------------------------------------------------------- load-adaptive trees
 def test_auto_budget_keeps_plain_decodings_tokens_and_the_law(hosts, prompt_ids, plain_greedy, hf_model):
-    """SGLANG_TEV_BUDGET=auto with capacity N = 17: each round's width comes from the planner
+    """SGLANG_TEV_BUDGET=auto-ragged with capacity N = 17: each round's width comes from the planner
     (calibration first: the capacity, plain decoding, a middle width; then each request's tree cut
     to its own size, verified in one ragged forward), and greedy rows, in a greedy
     batch or next to sampled rows, keep plain decoding's tokens; every round comes back with its
     budget; the seeded first two tokens follow the target law."""
     for name in list(hosts.hosts):
         hosts.close(name)
-    eng = hosts.get("auto", tev_kwargs(17), env={"SGLANG_TEV_BUDGET": "auto"})
+    eng = hosts.get("auto", tev_kwargs(17), env={"SGLANG_TEV_BUDGET": "auto-ragged"})
     out = eng.generate(prompt_ids, greedy_params(MAX_NEW))
     assert_same_ids(ids_of(out), plain_greedy, prompt_ids, hf_model, "auto (N=17) vs plain")
     budgets = [b for o in out for b in o["meta_info"]["tev_budget"]]

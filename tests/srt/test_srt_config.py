@@ -138,10 +138,10 @@ def test_auto_budget_runs_the_decode_eagerly_and_reaches_the_worker(caplog):
     # TP > 1 is served (rank 0 plans, every rank adopts: srt/budget.py)
     sa = args(attention_backend="triton", tp_size=2, cuda_graph_config=_GraphConfig())
     assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env).budget_mode == "auto"
-    # auto-uniform (one width per round whatever the backend) runs eagerly too
+    # auto-ragged (per-request sizes where the backend takes ragged verifies) runs eagerly too
     sa = args(attention_backend="flashinfer", cuda_graph_config=_GraphConfig())
-    s = resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={"SGLANG_TEV_BUDGET": "auto-uniform"})
-    assert s.budget_mode == "auto-uniform" and sa.cuda_graph_config.decode.backend == "disabled"
+    s = resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={"SGLANG_TEV_BUDGET": "Auto-Ragged"})
+    assert s.budget_mode == "auto-ragged" and sa.cuda_graph_config.decode.backend == "disabled"
 
 
 def test_the_verify_layout_is_read_from_the_backend_object():

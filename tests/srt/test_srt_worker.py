@@ -35,13 +35,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("verifier,budget_mode", [("tev", "fixed"), ("sequential", "fixed"), ("tev", "auto"),
-                                                   ("tev", "auto-ragged"), ("tev", "auto-uniform")])
+                                                   ("tev", "auto-ragged"), ("tev", "auto-ragged-triton")])
 def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, verifier, budget_mode):
     """Rounds of the worker on the tiny target (fake SGLang pools and runners) commit plain greedy
     decoding's tokens and KV; with SGLANG_TEV_BUDGET=auto the width changes round to round (plain
-    steps included, each as SGLang's DECODE forward) and the same holds; on a backend that takes
-    ragged verifies (``auto-ragged``: tev_cpu) each request's tree has its own size, verified in
-    one packed forward; ``auto-uniform`` keeps one width per round there."""
+    steps included, each as SGLang's DECODE forward) and the same holds; with
+    SGLANG_TEV_BUDGET=auto-ragged on a backend that takes ragged verifies (tev_cpu) each request's
+    tree has its own size, verified in one packed forward; on Triton (``auto-ragged-triton``) one
+    width per round remains."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -181,7 +182,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         # rows exactly as long as the plugin's headroom makes them (the worker checks on its first decode)
         model_config=SimpleNamespace(context_len=req_to_token.shape[1] - required_row_extra(N, K, 1), dtype=torch.float32),
     )
-    monkeypatch.setenv("SGLANG_TEV_BUDGET", {"auto-ragged": "auto"}.get(budget_mode, budget_mode))
+    monkeypatch.setenv("SGLANG_TEV_BUDGET", {"auto-ragged-triton": "auto-ragged"}.get(budget_mode, budget_mode))
     if budget_mode == "auto-ragged":  # rank 0 keeps what it learned (srt/plan_store.py), every 4 rounds here
         monkeypatch.setenv("SGLANG_TEV_PLAN_CACHE", "1")
         monkeypatch.setenv("SGLANG_TEV_CACHE", str(tmp_path))
@@ -189,7 +190,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
     w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier,
                          model_runner=model_runner, target_forward=target_forward, draft_forward=draft_forward,
                          translator=translator, append_draft_kv=lambda **kw: appended.append(kw),
-                         attention_backend=TritonAttnBackend if budget_mode == "auto" else TorchCPUAttnBackend)
+                         attention_backend=TritonAttnBackend if budget_mode.endswith("triton") else TorchCPUAttnBackend)
     assert w._round_log.interval == 40  # SGLang's default --decode-log-interval (not in these args)
     lines = []
     w._round_log = RoundLog(2, SimpleNamespace(info=lines.append))
