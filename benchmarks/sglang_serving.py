@@ -21,6 +21,10 @@ Usage (from the repository root)::
         [--concurrency 1,4,16] [--temperatures 0,1] [--repeats 2] [--output-len 128] \\
         [--num-prompts N] [--output benchmarks/results/sglang-serving-cpu.json] [--plot docs/img/sglang-serving-cpu.png]
 
+The adaptive servers read and write the user's plan cache (``$SGLANG_TEV_CACHE/plan``, as a
+deployment would): a second run starts where the first left off. Point ``SGLANG_TEV_CACHE`` at an
+empty folder for cold starts, or set ``SGLANG_TEV_PLAN_CACHE=0``.
+
 The JSON (rewritten after every run, so a run cut short keeps what it measured) holds the command,
 machine, versions, date, each run's client summary and the table; ``--plot`` draws output tokens/s
 against concurrency per mode and temperature.
