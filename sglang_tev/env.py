@@ -239,7 +239,8 @@ _VARIABLES = (
              "auto-ragged = auto with each request's tree cut to its own size within that width, verified in one "
              "ragged forward (tev_cpu, tested; FlashInfer, not run on a GPU; one width elsewhere)", USER, SERVED_BUDGETS),
     Variable(CACHE, _path, None, "a directory (empty = unset)",
-             "where the native host helpers are built (unset: $XDG_CACHE_HOME/sglang_tev, else ~/.cache/sglang_tev)",
+             "where the native host helpers are built and the plan cache lives (plan/; unset: "
+             "$XDG_CACHE_HOME/sglang_tev, else ~/.cache/sglang_tev)",
              USER),
     Variable(NATIVE, _native, True, "0 | false | no | off (any case) turn it off; anything else leaves it on",
              "build and use the native C host helpers (DDTree builder, greedy walk, KV move); off: the "

@@ -53,6 +53,8 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     import sglang_tev.srt.worker as W
+    from sglang_tev.costs import CostTable
+    from sglang_tev.srt.budget import ServedBudget
     from sglang_tev.srt.cpu_attention import TorchCPUAttnBackend
     from sglang_tev.srt.kv_headroom import required_row_extra
 
@@ -64,6 +66,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
     bs, new_tokens = len(prompts), 20
 
     refs = [p + plain_greedy(target, p, new_tokens + 3 * K) for p in prompts]
+    now = [0.0]  # the planner's clock under auto
 
     # memory: request b owns pool row pool_idx[b]; slots are a random permutation
     pool_idx = torch.tensor([3, 0, 2, 1])
@@ -87,6 +90,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         # block [root, MASK x (K-1)] at positions prefix..prefix+K-1: slot j predicts the token
         # after position prefix + j, the true continuation with a margin (drafter accuracy ~85%)
         assert fb.input_ids.numel() == bs * K and fb.bound
+        now[0] += 0.5e-3  # the planner's clock (below): a draft costs 0.5 ms
         logits = torch.randn(bs * K, V, generator=g)
         for b in range(bs):
             base = int(fb.positions[b * K]) + 1  # index in the full token sequence of depth 1
@@ -110,6 +114,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         vi, loc, seq = forward_batch.spec_info, forward_batch.out_cache_loc, forward_batch.seq_lens
         lay = vi.ragged_verify_layout  # request b's lens[b] nodes packed at indptr[b] (else N each)
         lens = [vi.draft_token_num] * bs if lay is None else list(lay.verify_lens_cpu)
+        now[0] += 1e-3 * (1 + 0.1 * sum(lens))  # a forward: 1 ms + 0.1 ms a token
         assert lay is None or (budget_mode == "auto-ragged" and lay.qo_indptr_device.tolist()[-1] == sum(lens))
         indptr = [sum(lens[:b]) for b in range(bs + 1)]
         seen["indptr"], seen["ragged"] = indptr, seen.get("ragged", 0) + (len(set(lens)) > 1)
@@ -146,6 +151,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
     def decode_forward(fb):
         # SGLang's DECODE: seq_lens count the new token, positions = seq_lens - 1, causal attention
         seen["decode"] = seen.get("decode", 0) + 1
+        now[0] += 1e-3 * (1 + 0.1 * bs)
         plan = translator.last_plan  # reads nothing past seq_lens, which count the token
         assert plan.read_extent == 0 and torch.equal(plan.seq_lens, fb.seq_lens)
         assert fb.capture_hidden_mode == CaptureHiddenMode.FULL and fb.seq_lens_sum == int(fb.seq_lens.sum())
@@ -192,6 +198,11 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
                          translator=translator, append_draft_kv=lambda **kw: appended.append(kw),
                          attention_backend=TritonAttnBackend if budget_mode.endswith("triton") else TorchCPUAttnBackend)
     assert w._round_log.interval == 40  # SGLang's default --decode-log-interval (not in these args)
+    if budget_mode != "fixed":
+        # the planner times rounds on a clock the fakes advance by their tokens (no wall time, no
+        # machine load): its choices, ragged cuts included, are the same on any machine
+        assert w._served_budget.rounds == 0
+        w._served_budget = ServedBudget(N - 1, K, costs=CostTable(load_correction=False), clock=lambda: now[0])
     lines = []
     w._round_log = RoundLog(2, SimpleNamespace(info=lines.append))
 
