@@ -53,6 +53,7 @@ __all__ = [
     "TP_TRACE",
     "SYNC_PROBE",
     "PLAIN_STEPS",
+    "RAGGED_CUTS",
     "STEP_TRACE",
     "KEEP_LOGS",
     "REQUIRE_SGLANG",
@@ -218,6 +219,7 @@ CPU_HARNESS = "SGLANG_TEV_CPU_HARNESS"
 TP_TRACE = "SGLANG_TEV_TP_TRACE"
 SYNC_PROBE = "SGLANG_TEV_SYNC_PROBE"
 PLAIN_STEPS = "SGLANG_TEV_PLAIN_STEPS"
+RAGGED_CUTS = "SGLANG_TEV_RAGGED_CUTS"
 STEP_TRACE = "SGLANG_TEV_STEP_TRACE"
 KEEP_LOGS = "SGLANG_TEV_KEEP_LOGS"
 REQUIRE_SGLANG = "SGLANG_TEV_REQUIRE_SGLANG"
@@ -263,6 +265,10 @@ _VARIABLES = (
     Variable(PLAIN_STEPS, _exactly_one, False, "1 = on; anything else off",
              "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) plans every SGLANG_TEV_BUDGET=auto "
              "round as a plain step (tests; benchmarks/sglang_step_trace.py)", TESTING),
+    Variable(RAGGED_CUTS, _exactly_one, False, "1 = on; anything else off",
+             "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) cuts every steady "
+             "SGLANG_TEV_BUDGET=auto-ragged round of two or more requests to distinct per-request sizes, "
+             "whatever the clock says (tests of the ragged verify on the real Engine)", TESTING),
     Variable(STEP_TRACE, _path, None, "a file (empty = unset)",
              "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) appends one line per worker step "
              "(its times, mode, batch size, tokens) to this file (benchmarks/sglang_step_trace.py)", TESTING),

@@ -62,7 +62,7 @@ def test_every_name_the_repository_mentions_is_registered():
 
 
 def test_registry_declarations():
-    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 16
+    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 17
     for name, var in env.REGISTRY.items():
         assert name == var.name and name.startswith(env.PREFIX)
         assert var.audience in (env.USER, env.TESTING)
@@ -300,8 +300,9 @@ OLD = {
     "SGLANG_TEV_CACHE": _old_cache,
     "SGLANG_TEV_NATIVE": _old_native,
     # new with the plan cache: the same on/off words as NATIVE
-    # new with the served auto budget: fixed | auto, stripped, any case, empty = fixed
-    "SGLANG_TEV_BUDGET": lambda e: _old_choice(e.get("SGLANG_TEV_BUDGET", ""), ("fixed", "auto"), "fixed"),
+    # new with the served auto budget: fixed | auto (| auto-ragged since the ragged verify), stripped,
+    # any case, empty = fixed
+    "SGLANG_TEV_BUDGET": lambda e: _old_choice(e.get("SGLANG_TEV_BUDGET", ""), ("fixed", "auto", "auto-ragged"), "fixed"),
     "SGLANG_TEV_PLAN_CACHE": lambda e: e.get("SGLANG_TEV_PLAN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off"),
     "SGLANG_TEV_REFERENCE_ATTENTION": _old_reference_attention,
     "SGLANG_TEV_CPU_ATTN_IGNORE_MASK": _old_ignore_mask,
@@ -310,6 +311,7 @@ OLD = {
     "SGLANG_TEV_SYNC_PROBE": _old_path("SGLANG_TEV_SYNC_PROBE"),
     # new with the CPU harness's plain-step hooks: the same readers as CPU_HARNESS / SYNC_PROBE
     "SGLANG_TEV_PLAIN_STEPS": _old_exactly_one("SGLANG_TEV_PLAIN_STEPS"),
+    "SGLANG_TEV_RAGGED_CUTS": _old_exactly_one("SGLANG_TEV_RAGGED_CUTS"),
     "SGLANG_TEV_STEP_TRACE": _old_path("SGLANG_TEV_STEP_TRACE"),
     "SGLANG_TEV_KEEP_LOGS": _old_exactly_one("SGLANG_TEV_KEEP_LOGS"),
     "SGLANG_TEV_REQUIRE_SGLANG": _old_exactly_one("SGLANG_TEV_REQUIRE_SGLANG"),
@@ -317,7 +319,7 @@ OLD = {
 
 RAWS = [None, "", " ", "1", "0", " 1 ", "true", "TRUE", "yes", "on", "false", "No", " off ", "2", "-1", "08",
         "8", " 16 ", "+4", "four", "tev", "Sequential", " predraw ", "greedy", "lattice", "MARGINAL",
-        "walk", "/tmp/x", "maybe"]
+        "walk", "/tmp/x", "maybe", "auto-ragged", " Auto-Ragged "]
 
 
 def test_old_readers_are_all_covered():

@@ -1,18 +1,25 @@
-"""Two CPU-harness hooks for measuring and testing a TEV plain step (loaded by the harness's
+"""CPU-harness hooks for measuring and testing TEV rounds (loaded by the harness's
 ``sitecustomize`` in every process of a server or Engine it starts):
 
 * ``SGLANG_TEV_PLAIN_STEPS=1``: every round ``SGLANG_TEV_BUDGET=auto`` plans becomes a plain step
   for the whole batch (budget 0: nothing drafted, SGLang's DECODE forward). The planner still
   learns from the rounds it ran. What tests compare with SGLang's own plain decoding
   (``tests/engine/test_sglang_server.py``) and ``benchmarks/sglang_step_trace.py`` times.
+* ``SGLANG_TEV_RAGGED_CUTS=1``: every tree round of two or more requests under
+  ``SGLANG_TEV_BUDGET=auto-ragged`` (calibration rounds included) is cut to distinct per-request
+  sizes (request r of b: ``max(1, w * (r + 1) // b)`` nodes of the round's width w), whatever the
+  clock says: the planner's own cuts follow measured seconds, so on a loaded machine a short test
+  may see none. The planner is told the round it planned (so its calibration ends as usual). What
+  the engine tests of the ragged verify run on (``tests/engine/test_sglang_engine.py``).
 * ``SGLANG_TEV_STEP_TRACE=<file>``: one line per call of the decode worker's
   ``forward_batch_generation`` (``TEVWorker``, else SGLang's ``TpModelWorker``), appended to the
   file: ``kind t0 t1 mode bs tokens`` (``perf_counter`` seconds; mode ``d`` decode, ``x``
   prefill or idle; tokens: committed this step, all requests). One line per outermost call: the
   target calls a TEV round or a TEV prefill makes inside it are part of its line.
 
-Both act only in processes the CPU harness starts (``SGLANG_TEV_CPU_HARNESS=1`` loads them); the
-plain-step plans only on a ``SGLANG_TEV_BUDGET=auto`` server.
+They act only in processes the CPU harness starts (``SGLANG_TEV_CPU_HARNESS=1`` loads them); the
+plain-step plans only on a ``SGLANG_TEV_BUDGET=auto`` server, the ragged cuts only where the layout
+is ragged.
 
 Neither changes what a request's tokens are drawn from: a plan only ever selects a tree width.
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-__all__ = ["install_plain_steps", "install_step_trace"]
+__all__ = ["install_plain_steps", "install_ragged_cuts", "install_step_trace"]
 
 _depth = [0]  # worker calls in progress in this process: only the outermost one is written
 
@@ -56,6 +63,41 @@ def _patch_plan(budget) -> None:
 
     plan._plain_steps = True
     budget.ServedBudget.plan = plan
+
+
+def install_ragged_cuts() -> None:
+    """Patch :meth:`sglang_tev.srt.budget.ServedBudget.refine` to cut steady ragged rounds to
+    distinct per-request sizes (the same on every TP rank: a function of the plan only)."""
+    _after_import("sglang_tev.srt.budget", _patch_refine)
+
+
+def _patch_refine(budget) -> None:
+    from sglang_tev.plan import RoundPlan, cut_rows
+
+    original, original_observe = budget.ServedBudget.refine, budget.ServedBudget.observe
+    if getattr(original, "_ragged_cuts", False):
+        return
+
+    def refine(self, plan, tree, drafted, temperatures):
+        p, t = original(self, plan, tree, drafted, temperatures)
+        n, w = len(p.budgets), p.budget
+        if self.layout != "ragged" or n < 2 or w < 2:
+            return p, t
+        sizes = tuple(max(1, w * (r + 1) // n) for r in range(n))
+        cut = RoundPlan(sizes, p.capacity, draft_depth=p.draft_depth, reach_at=p.reach_at)
+        self._ragged_cut = (cut, p)
+        return cut, cut_rows(t, sizes)
+
+    def observe(self, plan, reach_cum, reach_nodes):
+        cut = getattr(self, "_ragged_cut", None)
+        self._ragged_cut = None
+        if cut is not None and cut[0] is plan:
+            plan = cut[1]  # the planner learns from the round it planned
+        return original_observe(self, plan, reach_cum, reach_nodes)
+
+    refine._ragged_cuts = True
+    budget.ServedBudget.refine = refine
+    budget.ServedBudget.observe = observe
 
 
 def install_step_trace(path: str) -> None:

@@ -30,6 +30,11 @@ if env.get(env.CPU_HARNESS):
 
         step_hooks.install_plain_steps()
 
+    if env.get(env.RAGGED_CUTS):
+        from sglang_tev.testing.sglang_cpu import step_hooks
+
+        step_hooks.install_ragged_cuts()
+
     if env.get(env.STEP_TRACE):
         from sglang_tev.testing.sglang_cpu import step_hooks
 
