@@ -22,11 +22,11 @@ the CPU server a tree round of TEV N = 17 cost 1.7-2.2 plain steps under the gre
 benchmark), so greedy rounds' costs would make sampled trees look cheap. The reach calibration is
 shared (it is kept per temperature regime already).
 
-Layout: ``"ragged"`` where the attention backend takes SGLang's ``RaggedVerifyLayout`` (per-request
-verify lengths in one forward): each request's tree is cut to its own budget, every request's nodes
-ranked together by calibrated value and the total chosen on the cost curve
-(:meth:`sglang_tev.plan.TreePlanner.refine`); ``"padded"`` elsewhere, one width for every request of
-a round (the forward keeps a [bs, w] shape). KV reservation stays sized by the capacity N (SGLang
+Layout: ``"padded"`` (``SGLANG_TEV_BUDGET=auto``), one width for every request of a round (the
+forward keeps a [bs, w] shape); ``"ragged"`` (``auto-ragged``, where the attention backend takes
+SGLang's ``RaggedVerifyLayout``: per-request verify lengths in one forward), each request's tree
+then cut to its own budget within that width, every request's nodes ranked together by calibrated
+value and the total chosen on the cost curve (:meth:`sglang_tev.plan.TreePlanner.refine`). KV reservation stays sized by the capacity N (SGLang
 reserves 2N slots per request per step), so the context-edge and overlap rules hold for any width
 <= N - 1.
 

@@ -65,12 +65,12 @@ from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
 from ..env import check_environment
+from ..hf.plan_cache import enabled as plan_cache_enabled
 from ..tree import root_only_tree
 from ..verify import num_uniforms
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
-from ..hf.plan_cache import enabled as plan_cache_enabled
 from .budget import ServedBudget
 from .plan_store import SAVE_EVERY, ServedPlanStore, served_key
 from .kv_headroom import check_row_headroom
@@ -231,7 +231,8 @@ class TEVWorker(DFlashWorkerV2):
             # compute_candidates reads the target head from the draft model (SGLang attaches it the
             # same way, dflash_worker_v2.py:911 and :1484-1485)
             self.draft_model.lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
-        # SGLANG_TEV_BUDGET=auto: a tree width per request (ragged verify) or per round (budget.py); fixed: N - 1.
+        # SGLANG_TEV_BUDGET=auto: one tree width per round (budget.py); auto-ragged: also each request's
+        # own size, verified in one ragged forward where the backend takes it; fixed: N - 1.
         # Under TP rank 0 decides and every rank adopts its plans (broadcast on the TP CPU group)
         self._served_budget = None
         self._plan_store = None  # rank 0's plan cache under auto (srt/plan_store.py), opened at the first decode
@@ -318,9 +319,10 @@ class TEVWorker(DFlashWorkerV2):
         return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
 
     def _first_auto_decode(self, served: ServedBudget) -> None:
-        """Per-request tree sizes (ragged verify) where the target's attention backend takes them,
-        else one width per round for the batch; said once, on rank 0, which also restores what an
-        earlier server learned (``SGLANG_TEV_PLAN_CACHE``, :mod:`sglang_tev.srt.plan_store`)."""
+        """The verify layout: under ``auto-ragged`` per-request tree sizes (ragged verify) where the
+        target's attention backend takes them, else one width per round for the batch; said once,
+        on rank 0, which also restores what an earlier server learned (``SGLANG_TEV_PLAN_CACHE``,
+        :mod:`sglang_tev.srt.plan_store`)."""
         runner = self.target_worker.model_runner
         served.layout = "padded"
         if self.tev.budget_mode == "auto-ragged":  # per-request sizes where the backend takes them
