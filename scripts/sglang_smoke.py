@@ -233,7 +233,10 @@ def main(argv=None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()]
     for m in modes:
-        parse_mode(m)  # a bad mode fails before any engine starts
+        try:
+            parse_mode(m)  # a bad mode fails before any engine starts
+        except ValueError as e:
+            p.error(f"--modes: {e}")
     if not set(backends) <= {"triton", "flashinfer"}:
         p.error(f"--attention-backends: triton and/or flashinfer, got {args.attention_backends!r}")
 

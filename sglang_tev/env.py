@@ -266,9 +266,9 @@ _VARIABLES = (
              "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) plans every SGLANG_TEV_BUDGET=auto "
              "round as a plain step (tests; benchmarks/sglang_step_trace.py)", TESTING),
     Variable(RAGGED_CUTS, _exactly_one, False, "1 = on; anything else off",
-             "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) cuts every steady "
-             "SGLANG_TEV_BUDGET=auto-ragged round of two or more requests to distinct per-request sizes, "
-             "whatever the clock says (tests of the ragged verify on the real Engine)", TESTING),
+             "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) cuts every "
+             "SGLANG_TEV_BUDGET=auto-ragged tree round of two or more requests to per-request sizes of at "
+             "least two values, whatever the clock says (tests of the ragged verify on the real Engine)", TESTING),
     Variable(STEP_TRACE, _path, None, "a file (empty = unset)",
              "the CPU harness (SGLANG_TEV_CPU_HARNESS=1; no effect elsewhere) appends one line per worker step "
              "(its times, mode, batch size, tokens) to this file (benchmarks/sglang_step_trace.py)", TESTING),

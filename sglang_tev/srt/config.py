@@ -71,7 +71,7 @@ RAGGED_VERIFY_BACKENDS = ("tev_cpu", "flashinfer")
 whose verify plan reads the layout's ``qo_indptr`` and per-request mask segments from the verify
 input (``DFlashVerifyInput.generate_attn_arg_prefill``, ``dflash_info.py:135-215``; not run on a
 GPU here). Triton builds a uniform ``qo_indptr`` from the verify width (``triton_backend.py:1007-1057``):
-there ``SGLANG_TEV_BUDGET=auto`` gives one width per round for the batch."""
+there ``SGLANG_TEV_BUDGET=auto-ragged`` keeps one width per round for the batch."""
 
 
 _RAGGED_VERIFY_CLASSES = ("TorchCPUAttnBackend", "FlashInferAttnBackend")  # the backends' classes, by name
@@ -445,7 +445,7 @@ def resolve_server_args(
             sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
         elif budget_mode != "fixed":
             # the verify width changes every round; graphs per width tier are not captured yet
-            logger.warning("TEV: %s=auto runs the decode eagerly (no per-width CUDA graphs yet)", ENV_BUDGET)
+            logger.warning("TEV: %s=%s runs the decode eagerly (no per-width CUDA graphs yet)", ENV_BUDGET, budget_mode)
             sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
     if sa.max_running_requests is None:
         sa.max_running_requests = 48

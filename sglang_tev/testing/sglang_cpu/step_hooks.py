@@ -7,7 +7,8 @@
   (``tests/engine/test_sglang_server.py``) and ``benchmarks/sglang_step_trace.py`` times.
 * ``SGLANG_TEV_RAGGED_CUTS=1``: every tree round of two or more requests under
   ``SGLANG_TEV_BUDGET=auto-ragged`` (calibration rounds included) is cut to distinct per-request
-  sizes (request r of b: ``max(1, w * (r + 1) // b)`` nodes of the round's width w), whatever the
+  sizes (request r of b: ``max(1, w * (r + 1) // b)`` nodes of the round's width w >= 2: at least
+  two different sizes, the widest w; sizes repeat when b > w), whatever the
   clock says: the planner's own cuts follow measured seconds, so on a loaded machine a short test
   may see none. The planner is told the round it planned (so its calibration ends as usual). What
   the engine tests of the ragged verify run on (``tests/engine/test_sglang_engine.py``).
@@ -66,8 +67,10 @@ def _patch_plan(budget) -> None:
 
 
 def install_ragged_cuts() -> None:
-    """Patch :meth:`sglang_tev.srt.budget.ServedBudget.refine` to cut steady ragged rounds to
-    distinct per-request sizes (the same on every TP rank: a function of the plan only)."""
+    """Patch :meth:`sglang_tev.srt.budget.ServedBudget.refine` to cut every ragged tree round of two
+    or more requests (calibration, probes and trials included) to the sizes of the module doc, the
+    same on every TP rank (a function of the plan only), and :meth:`~ServedBudget.observe` to tell
+    the planner the round it planned."""
     _after_import("sglang_tev.srt.budget", _patch_refine)
 
 

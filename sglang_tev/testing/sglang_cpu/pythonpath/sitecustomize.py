@@ -4,8 +4,9 @@ Python imports ``sitecustomize`` from ``sys.path`` in every process, including t
 and detokenizer SGLang spawns; ``sglang_tev.testing.sglang_cpu.harness.harness_env()`` puts this folder on
 ``PYTHONPATH`` for them. ``SGLANG_TEV_TP_TRACE=<folder>`` also records each process's TEV round
 decisions there (``sglang_tev/testing/sglang_cpu/tp_trace.py``); ``SGLANG_TEV_SYNC_PROBE=<file>`` counts the host syncs of
-each TEV decode step (``sglang_tev/testing/sglang_cpu/sync_probe.py``); ``SGLANG_TEV_PLAIN_STEPS=1`` and
-``SGLANG_TEV_STEP_TRACE=<file>`` are ``sglang_tev/testing/sglang_cpu/step_hooks.py``.
+each TEV decode step (``sglang_tev/testing/sglang_cpu/sync_probe.py``); ``SGLANG_TEV_PLAIN_STEPS=1``,
+``SGLANG_TEV_RAGGED_CUTS=1`` and ``SGLANG_TEV_STEP_TRACE=<file>`` are
+``sglang_tev/testing/sglang_cpu/step_hooks.py``.
 """
 
 from sglang_tev import env
