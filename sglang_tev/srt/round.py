@@ -166,17 +166,28 @@ def tree_custom_mask(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_sum: int)
         (each node sees its ancestors and itself; a padded node sees the root and itself).
     """
     b, n = tree.parents.shape
+    return _full_mask(tree, seq_lens, n * int(seq_lens_sum) + n * n * b)
+
+
+def _full_mask(tree: DraftTree, seq_lens: torch.Tensor, total: int, q: torch.Tensor | None = None) -> torch.Tensor:
+    """The FULL layout of request b's first ``q[b]`` nodes (all N when ``q`` is None): ``q[b]`` rows
+    of ``seq_lens[b] + q[b]`` entries, all True over the prefix, then the tree's ancestor mask;
+    ``total`` entries in all (a host int, so no read)."""
+    b, n = tree.parents.shape
     dev = tree.device
     seq = seq_lens.to(device=dev, dtype=torch.int64)
-    row_len = seq + n  # [bs]
-    req_len = n * row_len
+    width = n if q is None else q.view(b)
+    row_len = seq + width  # [bs]
+    req_len = width * row_len
     start = torch.cumsum(req_len, 0) - req_len  # [bs]
-    mask = torch.ones(n * int(seq_lens_sum) + n * n * b, dtype=torch.bool, device=dev)
+    mask = torch.ones(total + (q is not None), dtype=torch.bool, device=dev)  # ragged: + a spare entry
     i = torch.arange(n, device=dev).view(1, n, 1)
     j = torch.arange(n, device=dev).view(1, 1, n)
     idx = start.view(b, 1, 1) + i * row_len.view(b, 1, 1) + seq.view(b, 1, 1) + j  # [bs, N, N]
+    if q is not None:  # cut nodes write the spare entry: a scatter, where boolean indexing would read to the host
+        idx = torch.where((i < q.view(b, 1, 1)) & (j < q.view(b, 1, 1)), idx, total)
     mask[idx.reshape(-1)] = tree.ancestor_mask.reshape(-1)
-    return mask
+    return mask[:total]
 
 
 def tree_retrieve_arrays(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,6 +277,8 @@ class RaggedPack:
             included; ``1 <= lens[b] <= N``).
         cols: int64 [T], T = ``sum(lens)``: the padded row ``b * N + i`` of each packed token (what
             SGLang's ``KVLocPlan`` calls the window columns of a ragged verify's packed rows).
+        indptr: int32 [bs + 1], request b's packed rows ``indptr[b] .. indptr[b + 1]`` (SGLang's
+            ``qo_indptr``).
         expand: int64 [bs * N]: for each padded row ``b * N + i`` the packed row that stands for it
             (its own for ``i < lens[b]``; a cut node reads its request's root row, and is never
             reached): ``packed.index_select(0, expand)`` is the padded layout in one pass.
@@ -277,6 +290,7 @@ class RaggedPack:
 
     lens: list
     cols: torch.Tensor
+    indptr: torch.Tensor
     expand: torch.Tensor
     draft_token: torch.Tensor
     positions: torch.Tensor
@@ -315,20 +329,9 @@ def ragged_pack(tree: DraftTree, layout: TreeVerifyLayout, seq_lens: torch.Tenso
     expand = (first.view(b, 1) + torch.where(i < q.view(b, 1), i, 0)).reshape(-1)
     mask = None
     if layout.custom_mask is not None:
-        seq = seq_lens.to(device=dev, dtype=torch.int64)
-        row_len = seq + q
-        req_len = q * row_len
-        start = torch.cumsum(req_len, 0) - req_len
-        total = sum(x * (s + x) for x, s in zip(lens, seq_host))
-        mask = torch.ones(total + 1, dtype=torch.bool, device=dev)  # + a spare entry for cut nodes
-        i = torch.arange(n, device=dev).view(1, n, 1)
-        j = torch.arange(n, device=dev).view(1, 1, n)
-        inside = (i < q.view(b, 1, 1)) & (j < q.view(b, 1, 1))
-        idx = start.view(b, 1, 1) + i * row_len.view(b, 1, 1) + seq.view(b, 1, 1) + j
-        # a scatter, not boolean indexing (which would read the count to the host)
-        mask[torch.where(inside, idx, total).reshape(-1)] = tree.ancestor_mask.reshape(-1)
-        mask = mask[:total]
-    return RaggedPack(lens=lens, cols=cols, expand=expand, draft_token=layout.draft_token[cols], positions=layout.positions[cols], custom_mask=mask)
+        mask = _full_mask(tree, seq_lens, sum(x * (s + x) for x, s in zip(lens, seq_host)), q)
+    indptr = torch.nn.functional.pad(torch.cumsum(q, 0), (1, 0)).to(torch.int32)
+    return RaggedPack(lens=lens, cols=cols, indptr=indptr, expand=expand, draft_token=layout.draft_token[cols], positions=layout.positions[cols], custom_mask=mask)
 
 
 # ---------------------------------------------------------------------- target law

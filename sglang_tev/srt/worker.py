@@ -438,12 +438,10 @@ class TEVWorker(DFlashWorkerV2):
             custom_mask = pad_tree_mask(custom_mask, bs, padded_bs, N, int(graph_runner.seq_len_fill_value))
         ragged = {}
         if pack is not None:
-            q = torch.tensor(pack.lens, dtype=torch.int32, device=self.device)
-            indptr = torch.nn.functional.pad(torch.cumsum(q, 0, dtype=torch.int32), (1, 0))
-            t = int(pack.cols.numel())
+            t = sum(pack.lens)
             ragged = dict(kv_loc_cols=pack.cols, ragged_verify_layout=RaggedVerifyLayout(
-                verify_lens=q, graph_num_tokens=t, extend_start_loc=indptr[:-1], qo_indptr_device=indptr,
-                verify_lens_cpu=pack.lens, total_verify_tokens=t, max_q_len=max(pack.lens)))
+                verify_lens=pack.indptr.diff(), graph_num_tokens=t, extend_start_loc=pack.indptr[:-1],
+                qo_indptr_device=pack.indptr, verify_lens_cpu=pack.lens, total_verify_tokens=t, max_q_len=max(pack.lens)))
             out_cache_loc, custom_mask = out_cache_loc[pack.cols], pack.custom_mask
         verify_input = DFlashVerifyInput(
             draft_token=layout.draft_token if pack is None else pack.draft_token,

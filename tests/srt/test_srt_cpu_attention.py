@@ -340,6 +340,7 @@ def test_target_verify_ragged_trees_each_request_its_own_first_nodes(host):
     assert pack.cols.tolist() == [b * (budget + 1) + i for b, n in enumerate(lens) for i in range(n)]
     # the padded layout back in one gather: own rows where packed, the request's root row past its cut
     first = [sum(lens[:b]) for b in range(len(lens))]
+    assert pack.indptr.tolist() == first + [sum(lens)] and pack.indptr.dtype == torch.int32
     assert pack.expand.tolist() == [first[b] + (i if i < n else 0) for b, n in enumerate(lens) for i in range(budget + 1)]
     spec = verify_input(budget + 1, pack.custom_mask)
     spec.ragged_verify_layout = ragged_layout(lens, host)
