@@ -35,6 +35,13 @@ CHAT_TEMPLATE = "chatml"
 CHATML = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 """The prompt SGLang's ``chatml`` template (``srt/parser/conversation.py``) builds for one user turn."""
 
+EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+"""Environment of the servers whose logprobs are compared: the same eager functions on both."""
+PLAIN_STEP_TOL = 0.07
+"""Largest |logprob(TEV's plain step) - logprob(SGLang's plain decoding)| of one token: the same
+DECODE forward, bitwise equal on this VM (AVX-512 with bf16); another CPU may round one bf16 logit
+(|logit| <= ~17, one step 0.0625) differently in the two servers' set-ups. A wrong temperature,
+penalty or row moves logprobs by far more."""
 SERVED = [(0, 32), (2, 24), (4, 32), (7, 16)]
 """(index into PROMPTS, max_new_tokens) for the endpoint tests."""
 CHATS = ["def f(x):", "Write a function that reverses a list."]
@@ -58,7 +65,10 @@ def servers():
             "tev": ex.submit(ServerHost, tev_kwargs(TREE_SIZE, enable_metrics=True, **common)),
             # the reference without overlap scheduling: SGLang's plain decoding under overlap
             # applies penalties one step late (see tests/engine/test_sglang_penalties.py, plain_refs)
-            "plain": ex.submit(ServerHost, plain_kwargs(disable_overlap_schedule=True, **common)),
+            # eager (as test_sglang_penalties.py): SGLang's repetition scaling is torch.compile'd, and
+            # inductor's CPU code differs by ISA (with ATEN_CPU_CAPABILITY=avx2 its penalised law
+            # moved by up to 1.1 nats here while the eager function did not)
+            "plain": ex.submit(ServerHost, plain_kwargs(disable_overlap_schedule=True, **common), env=EAGER),
         }
         hosts, errors = {}, []
         for name, f in futures.items():
@@ -496,7 +506,7 @@ def plain_steps():
     from sglang_tev import env as tev_env
 
     host = ServerHost(tev_kwargs(TREE_SIZE, chat_template=CHAT_TEMPLATE),
-                      env={tev_env.BUDGET: "auto", tev_env.PLAIN_STEPS: "1"})
+                      env={tev_env.BUDGET: "auto", tev_env.PLAIN_STEPS: "1", **EAGER})
     yield host
     host.close()
 
@@ -526,10 +536,13 @@ def test_plain_steps_equal_sglangs_plain_decoding(plain_steps, plain):
         assert len(budgets) == tm.get("spec_verify_ct", 0) and set(budgets) <= {0}, (j, budgets, tm)  # all plain steps
         assert len(budgets) >= min(8, len(t["output_ids"]) - 1), (j, budgets)
         if body.get("return_logprob"):
-            pairs = zip(tm["output_token_logprobs"], pm["output_token_logprobs"])
-            assert all(a[1] == b[1] and abs(a[0] - b[0]) <= 1e-3 for a, b in pairs), j
-            for a, b in zip(tm["output_top_logprobs"], pm["output_top_logprobs"]):
-                assert [x[1] for x in a] == [x[1] for x in b] and all(abs(x[0] - y[0]) <= 1e-3 for x, y in zip(a, b))
+            pairs = list(zip(tm["output_token_logprobs"], pm["output_token_logprobs"]))
+            bad = [(i, a, b) for i, (a, b) in enumerate(pairs) if a[1] != b[1] or abs(a[0] - b[0]) > PLAIN_STEP_TOL]
+            assert not bad, (j, bad)
+            for i, (a, b) in enumerate(zip(tm["output_top_logprobs"], pm["output_top_logprobs"])):
+                assert all(abs(x[0] - y[0]) <= PLAIN_STEP_TOL for x, y in zip(a, b)), (j, i, a, b)
+                if abs(b[0][0] - b[1][0]) > PLAIN_STEP_TOL:  # the order of a bf16 near-tie may flip
+                    assert [x[1] for x in a] == [x[1] for x in b], (j, i, a, b)
     assert_alive(plain_steps)
 
 
