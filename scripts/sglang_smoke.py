@@ -16,7 +16,8 @@ captured for batch sizes 1/2/4/8 (``-eager`` modes: ``--cuda-graph-backend-decod
    top-k, top-p, min-p, seeds, a regex grammar, a logit bias): every request must finish;
 4. from the engine log (``SGLANG_LOG_DECODE_GRAPH_KEY=1``): with graphs, replays of the target's
    verify graph and (speculative modes) the draft graph, and TEV's draft head folded into the draft
-   graph; in ``-eager`` modes no replay at all;
+   graph; in ``-eager`` modes no replay at all; ``TEV-auto`` (``SGLANG_TEV_BUDGET=auto`` with a
+   target verify graph per tree-size tier) also the tiers' log line and rounds at two or more widths;
 
 and prints tau (SGLang's ``spec_accept_length``: mean tokens per verify round) and tokens/s per
 backend and mode (TEV with graphs beside TEV eager and DFLASH), plus TEV's per-request metrics.
@@ -98,16 +99,22 @@ def captured_stderr(path: Path):
         os.close(saved)
 
 
+AUTO_MODES = {"auto": ("auto", True), "auto-eager": ("auto", False), "auto-ragged": ("auto-ragged", False)}
+"""TEV's load-adaptive modes: suffix -> (``SGLANG_TEV_BUDGET``, decode graphs)."""
+
+
 def parse_mode(spec: str) -> tuple[str, bool]:
-    """``TEV`` -> ("TEV", graphs on); ``TEV-eager`` -> ("TEV", graphs off); ``TEV-auto`` /
-    ``TEV-auto-ragged`` -> ("TEV", graphs off) with ``SGLANG_TEV_BUDGET=auto`` / ``auto-ragged``
-    (load-adaptive widths run eagerly for now; auto-ragged: each request's tree at its own size
-    through one ragged verify forward on FlashInfer, one width per round on Triton)."""
+    """``TEV`` -> ("TEV", graphs on); ``TEV-eager`` -> ("TEV", graphs off); ``TEV-auto`` -> ("TEV",
+    graphs on) with ``SGLANG_TEV_BUDGET=auto`` (a target verify graph per tree-size tier,
+    ``sglang_tev/srt/graph_tiers.py``); ``TEV-auto-eager`` the same, graphs off;
+    ``TEV-auto-ragged`` -> ("TEV", graphs off) with ``auto-ragged`` (each request's tree at its own
+    size through one ragged verify forward on FlashInfer, one width per round on Triton)."""
     name, _, suffix = spec.partition("-")
-    auto = suffix in ("auto", "auto-ragged")
-    if name not in ("none", "DFLASH", "TEV") or suffix not in ("", "eager", "auto", "auto-ragged") or (auto and name != "TEV"):
-        raise ValueError(f"unknown mode {spec!r}: none, DFLASH or TEV, optionally with -eager; TEV-auto, TEV-auto-ragged")
-    return name, suffix == ""
+    auto = suffix in AUTO_MODES
+    if name not in ("none", "DFLASH", "TEV") or suffix not in ("", "eager", *AUTO_MODES) or (auto and name != "TEV"):
+        raise ValueError(f"unknown mode {spec!r}: none, DFLASH or TEV, optionally with -eager; "
+                         "TEV-auto, TEV-auto-eager, TEV-auto-ragged")
+    return name, AUTO_MODES[suffix][1] if auto else suffix == ""
 
 
 def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -> dict:
@@ -139,7 +146,7 @@ def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -
             kwargs["speculative_num_steps"] = args.max_depth
     log = log_dir / f"{backend}-{spec}.log"
     os.environ["SGLANG_LOG_DECODE_GRAPH_KEY"] = "1"
-    os.environ["SGLANG_TEV_BUDGET"] = spec.partition("-")[2] if "-auto" in spec else "fixed"
+    os.environ["SGLANG_TEV_BUDGET"] = AUTO_MODES.get(spec.partition("-")[2], ("fixed",))[0]
     with captured_stderr(log):
         engine = sglang.Engine(**kwargs)
         try:
@@ -176,6 +183,9 @@ def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -
         tev_meta_example={k: v for k, v in mouts[0]["meta_info"].items() if "tev_" in k or k == "customized_info"},
         replays={w: text.count(GRAPH_REPLAY + w) for w in ("target", "draft")},
         tev_head_folded="TEV draft head (per-depth" in text,
+        # auto with graphs: the tiers captured, and the widths the rounds ran at
+        tiers_line=next((ln.strip() for ln in text.splitlines() if "target verify graphs at tree sizes" in ln), None),
+        budgets_seen=sorted({b for o in outs + mouts for b in (o["meta_info"].get("tev_budget") or []) if b is not None}),
         log=str(log),
     )
 
@@ -192,6 +202,9 @@ def graph_checks(r: dict) -> list[tuple[bool, str]]:
         out.append((draft > 0, f"draft graph replays {draft}"))
     if name == "TEV":
         out.append((r["tev_head_folded"], "TEV head folded into the draft graph" if r["tev_head_folded"] else "TEV head NOT folded"))
+    if r["mode"] == "TEV-auto":  # graph tiers: captured, and the rounds' widths changed (budgets are tiers' - 1)
+        out.append((r["tiers_line"] is not None, r["tiers_line"] or "no graph tiers captured"))
+        out.append((len(r["budgets_seen"]) >= 2, f"round budgets seen {r['budgets_seen']}"))
     return out
 
 
@@ -222,10 +235,11 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--modes", default="none,DFLASH,TEV,TEV-eager,TEV-auto,TEV-auto-ragged",
+        "--modes", default="none,DFLASH,TEV,TEV-eager,TEV-auto,TEV-auto-eager,TEV-auto-ragged",
         help="comma-separated subset of none, DFLASH, TEV, each optionally with -eager (decode CUDA graphs off), "
-             "TEV-auto (SGLANG_TEV_BUDGET=auto, eager: one width per round) and TEV-auto-ragged (auto-ragged: "
-             "per-request sizes through a ragged verify on flashinfer, per-round widths on triton)",
+             "TEV-auto (SGLANG_TEV_BUDGET=auto: one width per round, a target graph per tree-size tier), "
+             "TEV-auto-eager (the same, graphs off) and TEV-auto-ragged (auto-ragged, eager: per-request sizes "
+             "through a ragged verify on flashinfer, per-round widths on triton)",
     )  # fmt: skip
     p.add_argument("--log-dir", default=None, help="engine logs (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write the results here")

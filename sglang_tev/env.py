@@ -54,6 +54,7 @@ __all__ = [
     "SYNC_PROBE",
     "PLAIN_STEPS",
     "RAGGED_CUTS",
+    "GRAPH_TREE_SIZES",
     "STEP_TRACE",
     "KEEP_LOGS",
     "REQUIRE_SGLANG",
@@ -179,6 +180,23 @@ def _served_budget(raw: str) -> str:
     return value
 
 
+def _tree_sizes(raw: str) -> Optional[tuple]:
+    # srt/graph_tiers: empty / "auto" = the default tiers (None); "off" = none (auto runs eagerly);
+    # else comma-separated tree sizes >= 1 (checked against N when the server's args are resolved)
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in _OFF:
+        return ()
+    try:
+        sizes = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise ValueError(f"must be auto, off or comma-separated tree sizes (integers >= 1), got {raw!r}") from None
+    if any(x < 1 for x in sizes):
+        raise ValueError(f"tree sizes must be integers >= 1, got {raw!r}")
+    return sizes
+
+
 def _path(raw: str) -> Optional[str]:
     # native._cache_dir, the harness's trace / probe: an empty value counts as unset
     return raw or None
@@ -210,6 +228,7 @@ VERIFIER = "SGLANG_TEV_VERIFIER"
 TOPK = "SGLANG_TEV_TOPK"
 DFLASH2_MODE = "SGLANG_TEV_DFLASH2_MODE"
 BUDGET = "SGLANG_TEV_BUDGET"
+GRAPH_TREE_SIZES = "SGLANG_TEV_GRAPH_TREE_SIZES"
 CACHE = "SGLANG_TEV_CACHE"
 NATIVE = "SGLANG_TEV_NATIVE"
 PLAN_CACHE = "SGLANG_TEV_PLAN_CACHE"
@@ -237,9 +256,14 @@ _VARIABLES = (
     Variable(BUDGET, _served_budget, "fixed", " | ".join(SERVED_BUDGETS) + " (any case; empty = fixed)",
              "how the SGLang plugin sizes each round's trees: fixed = N - 1 nodes every round; auto = one width "
              "per round for the batch, from the calibrated exit law and the measured round cost, at most N - 1 "
-             "(0 = a plain decoding step; under TP rank 0's plan; CPU-verified, no CUDA graphs yet); "
+             "(0 = a plain decoding step; under TP rank 0's plan; CPU-verified; on CUDA target verify graphs per "
+             "tree-size tier, SGLANG_TEV_GRAPH_TREE_SIZES, not run on a GPU yet); "
              "auto-ragged = auto with each request's tree cut to its own size within that width, verified in one "
              "ragged forward (tev_cpu, tested; FlashInfer, not run on a GPU; one width elsewhere)", USER, SERVED_BUDGETS),
+    Variable(GRAPH_TREE_SIZES, _tree_sizes, None, "auto | off | comma-separated tree sizes in [1, N] (empty = auto)",
+             "SGLANG_TEV_BUDGET=auto with CUDA graphs: the tree sizes (nodes per request, root included) whose "
+             "target verify graphs are captured, each round's width one of them; auto = 1, 5, 9, 17, 33 below N; "
+             "1 and N always added; off = the decode runs eagerly", USER),
     Variable(CACHE, _path, None, "a directory (empty = unset)",
              "where the native host helpers are built and the plan cache lives (plan/; unset: "
              "$XDG_CACHE_HOME/sglang_tev, else ~/.cache/sglang_tev)",

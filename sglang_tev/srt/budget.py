@@ -191,6 +191,21 @@ class ServedBudget:
         """The cost table of the current (or last) round's law."""
         return self.planner.controller.costs
 
+    def use_grid(self, budgets: Sequence[int]) -> None:
+        """Restrict the budgets rounds may take to ``budgets`` (the captured graph tiers',
+        :mod:`sglang_tev.srt.graph_tiers`), before the first round.
+
+        Raises:
+            ValueError naming ``budgets`` unless they are integers in [0, capacity] holding 0 and
+            the capacity; RuntimeError after a round was planned (the planners hold the grid).
+        """
+        grid = tuple(sorted({int(b) for b in budgets}))
+        if not grid or grid[0] != 0 or grid[-1] != self.capacity or any(not 0 <= b <= self.capacity for b in grid):
+            raise ValueError(f"budgets must lie in [0, {self.capacity}] and hold 0 and {self.capacity}, got {list(budgets)}")
+        if self.planners:
+            raise RuntimeError("use_grid() must come before the first round (the planners hold the grid)")
+        self.grid = grid
+
     def _adopt(self, plan: RoundPlan | None) -> RoundPlan:
         return plan if self.broadcast is None else self.broadcast(plan)
 

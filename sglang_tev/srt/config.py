@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from .. import env as _env
+from .graph_tiers import tier_sizes
 from .kv_headroom import overlap_reserve_need
 
 __all__ = [
@@ -126,6 +127,7 @@ ENV_VERIFIER = _env.VERIFIER
 ENV_TOPK = _env.TOPK
 ENV_DFLASH2_MODE = _env.DFLASH2_MODE
 ENV_BUDGET = _env.BUDGET
+ENV_GRAPH_TREE_SIZES = _env.GRAPH_TREE_SIZES
 
 DFLASH2_MODES = _env.DFLASH2_MODES
 """Draft modes of a DFlash2 drafter (``SGLANG_TEV_DFLASH2_MODE``): the selector lattice into a
@@ -252,6 +254,7 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
     read_env(environ)
     read_dflash2_mode(environ)
     _env.get(ENV_BUDGET, environ)  # a bad SGLANG_TEV_BUDGET is refused here, before any write
+    requested = _env.get(ENV_GRAPH_TREE_SIZES, environ)
     device_kind = _device_kind(sa)
     if int(getattr(sa, "pp_size", 1) or 1) != 1:
         raise ValueError(f"TEV: --pp-size must be 1, got {sa.pp_size}")
@@ -269,6 +272,8 @@ def validate_server_args(sa, environ: Optional[Mapping[str, str]] = None) -> Non
             raise ValueError(
                 f"TEV: --speculative-num-draft-tokens is the tree size N = B + 1 and must be in [2, {MAX_TREE_SIZE}], got {n}"
             )
+    if requested:  # a tier above N is refused on every device, before any write
+        tier_sizes(DEFAULT_TREE_SIZE if n is None else n, requested)
     accepted = SUPPORTED_DEVICE_BACKENDS[device_kind]
     for flag, name in (
         ("--attention-backend", "attention_backend"),
@@ -352,9 +357,11 @@ def resolve_server_args(
     ``disable_overlap_schedule`` = True only when overlap scheduling's KV reserve is too small
     for the tree (``max(N, K) + min(D, N - 1) + 1 > 2N``, see
     :func:`~sglang_tev.srt.kv_headroom.overlap_reserve_need`; logged), the decode phase of
-    ``cuda_graph_config`` = disabled on ``--device cpu`` only (logged; see
-    :data:`DECODE_GRAPH_BACKENDS`: on CUDA SGLang's choice, full by default, is kept and TEV's
-    target verify and draft forwards replay CUDA graphs, ``graphs``),
+    ``cuda_graph_config`` = disabled on ``--device cpu``, and on CUDA under ``SGLANG_TEV_BUDGET=auto-ragged``
+    or ``auto`` with ``SGLANG_TEV_GRAPH_TREE_SIZES=off`` (logged; see
+    :data:`DECODE_GRAPH_BACKENDS`: otherwise SGLang's choice, full by default, is kept and TEV's
+    target verify and draft forwards replay CUDA graphs, ``graphs``; under ``auto`` one target tier
+    per tree size, ``graph_tiers``),
     ``max_running_requests`` = 48 when unset (as DFLASH).
     Overlap scheduling otherwise stays as the operator set it (on by default, as in SGLang).
 
@@ -368,7 +375,8 @@ def resolve_server_args(
     Raises:
         ValueError naming the flag: block size < 2 or unknown; depth outside [1, K - 1] (depth
         >= block size); a block larger than twice the tree (SGLang reserves 2N KV slots per
-        decode step and the draft block writes K of them); a top-k < 1; all
+        decode step and the draft block writes K of them); a top-k < 1;
+        ``SGLANG_TEV_GRAPH_TREE_SIZES`` with a size above N; all
         :func:`validate_server_args` cases.
     """
     validate_server_args(sa, environ)
@@ -438,15 +446,23 @@ def resolve_server_args(
         )
         sa.disable_overlap_schedule = True
     budget_mode = _env.get(ENV_BUDGET, environ)
+    requested = _env.get(ENV_GRAPH_TREE_SIZES, environ)  # checked against N by validate_server_args
     cg = getattr(sa, "cuda_graph_config", None)
     if cg is not None and dataclasses.is_dataclass(cg) and getattr(cg.decode, "backend", "disabled") != "disabled":
         if _device_kind(sa) == "cpu":
             logger.info("TEV: decode graphs off on --device cpu (SGLang has no CPU graph runner for speculative decoding)")
             sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
         elif budget_mode != "fixed":
-            # the verify width changes every round; graphs per width tier are not captured yet
-            logger.warning("TEV: %s=%s runs the decode eagerly (no per-width CUDA graphs yet)", ENV_BUDGET, budget_mode)
-            sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
+            # the verify width changes every round: auto replays one graph tier per width (graph_tiers);
+            # auto-ragged's per-request sizes have no graph (module doc there), nor auto with the tiers off
+            if budget_mode == "auto" and requested != ():
+                sizes = tier_sizes(n, requested)
+                logger.info("TEV: %s=auto captures target verify graphs at tree sizes %s (%s)", ENV_BUDGET,
+                            ", ".join(map(str, sizes)), ENV_GRAPH_TREE_SIZES)
+            else:
+                why = "per-request tree sizes have no CUDA graph" if budget_mode == "auto-ragged" else f"{ENV_GRAPH_TREE_SIZES}=off"
+                logger.warning("TEV: %s=%s runs the decode eagerly (%s)", ENV_BUDGET, budget_mode, why)
+                sa.cuda_graph_config = dataclasses.replace(cg, decode=dataclasses.replace(cg.decode, backend="disabled"))
     if sa.max_running_requests is None:
         sa.max_running_requests = 48
     return TevSettings(tree_size=n, block_size=k, max_depth=d, topk=topk, verifier=verifier, budget_mode=budget_mode)

@@ -30,8 +30,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 __all__ = [
     "META_INFO_KEYS",
+    "RoundColumn",
+    "round_info_to_host",
     "align_round_values",
     "compact_round_values",
     "install_meta_info_hooks",
@@ -47,6 +51,69 @@ _installed = False
 
 logger = logging.getLogger(__name__)
 _MAX_UNREAD = 2  # rounds a log line may wait for (the newest one or two are in flight under overlap)
+
+
+class RoundColumn:
+    """One per-round value per request (a ``customized_info`` column) in host memory.
+
+    SGLang's result processor reads ``column[i]`` for request i
+    (``batch_result_processor.py:192-211``) only after ``copy_done.synchronize()``
+    (``:957-958``); the scheduler records ``copy_done`` on a stream ordered after the forward
+    (``scheduler.py:4731-4745, 4854-4863, 5019-5042``), so the non-blocking copy that filled
+    ``host`` has completed by then: reading it costs no device sync of its own.
+
+    Args:
+        host: float32 [len(META_INFO_KEYS), bs] in host memory (pinned on CUDA).
+        row: which row; cast: ``int`` or ``float`` for the values handed out.
+    """
+
+    __slots__ = ("host", "row", "cast", "_values")
+
+    def __init__(self, host: torch.Tensor, row: int, cast) -> None:
+        self.host, self.row, self.cast, self._values = host, row, cast, None
+
+    def _read(self) -> list:
+        if self._values is None:
+            self._values = [self.cast(v) for v in self.host[self.row].tolist()]
+        return self._values
+
+    def __getitem__(self, i):
+        return self._read()[i]
+
+    def peek(self) -> list | None:
+        """The values if the scheduler has read them already, else None (never reads ``host``)."""
+        return self._values
+
+    def __len__(self) -> int:
+        return int(self.host.shape[1])
+
+    def __iter__(self):
+        return iter(self._read())
+
+
+def round_info_to_host(
+    commit_lens: torch.Tensor, exit_depth: torch.Tensor, coverage: torch.Tensor, budget: torch.Tensor
+) -> dict:
+    """The round's ``customized_info`` (:data:`META_INFO_KEYS`) with ONE non-blocking copy.
+
+    Args:
+        commit_lens: int [bs] tokens emitted this round; exit_depth: int [bs] depth of the exit
+            node; coverage: float [bs] the tree's coverage of the target law; budget: int [bs]
+            drafted nodes in each request's tree this round.
+    Returns:
+        ``{key: RoundColumn}`` over one host tensor float32 [len(META_INFO_KEYS), bs]: on CUDA a
+        pinned buffer filled by ``copy_(non_blocking=True)`` (fenced by the scheduler's
+        ``copy_done``), on CPU the stacked tensor itself. SGLang's scheduler keeps the values
+        token-aligned and its tokenizer manager hands out one per round (``meta_info.py``).
+    """
+    info = torch.stack([commit_lens.float(), exit_depth.float(), coverage.float(), budget.float()])
+    if info.is_cuda:
+        host = torch.empty(info.shape, dtype=info.dtype, pin_memory=True)
+        host.copy_(info, non_blocking=True)
+    else:
+        host = info
+    casts = (int, int, float, int)
+    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}
 
 
 def align_round_values(req) -> None:

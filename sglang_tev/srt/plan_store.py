@@ -9,7 +9,8 @@ batch size again (the capacity's round, a plain step, a middle width).
 The key is the runtime's (package and torch versions, machine, threads, device, dtype, a
 fingerprint of the target and of the drafter) plus what makes SGLang's rounds cost what they do:
 ``"runtime": "sglang"``, SGLang's version, the TP size, the target's attention backend class,
-the verify layout (ragged or one width per round), the capacity N - 1 and the block size K. A file
+the verify layout (ragged or one width per round), the capacity N - 1, the block size K, the budgets
+rounds may take and whether they replay CUDA graphs (per-width tiers). A file
 written for another key, of another schema or that does not parse is ignored with one warning and
 rewritten. Only rank 0 plans, so only rank 0 reads and writes. Saves are atomic, every
 :data:`SAVE_EVERY` rounds (a server has no last round to save at). Off with
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Sequence
 
 from ..hf import plan_cache as _cache
 from .budget import LAWS, ServedBudget
@@ -33,13 +35,16 @@ log = logging.getLogger(__name__)
 
 
 def served_key(target, drafter, dtype, device, *, tp_size: int, attn_backend, layout: str, capacity: int,
-               block_size: int) -> dict:
-    """The key a served plan cache file is valid for (module doc); one file per law adds ``"law"``."""
+               block_size: int, grid: Sequence[int] = (), graphs: bool = False) -> dict:
+    """The key a served plan cache file is valid for (module doc); one file per law adds ``"law"``.
+    ``grid``: the budgets rounds may take; ``graphs``: whether rounds replay CUDA graphs (per-width
+    tiers, ``graph_tiers``), which changes every width's cost."""
     import sglang
 
     return {**_cache.cache_key(target, drafter, dtype, device), "runtime": "sglang", "sglang": sglang.__version__,
             "tp": int(tp_size), "backend": type(attn_backend).__name__, "layout": layout,
-            "capacity": int(capacity), "block_size": int(block_size)}
+            "capacity": int(capacity), "block_size": int(block_size), "grid": [int(b) for b in grid],
+            "graphs": bool(graphs)}
 
 
 class ServedPlanStore:

@@ -24,7 +24,8 @@ applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the
 A round planned as a plain step for the whole batch (``SGLANG_TEV_BUDGET=auto``, budget 0) drafts
 nothing and, without target CUDA graphs, runs the target as SGLang's own DECODE forward
 (``_decode_forward``); its token is drawn by the same verifier from a root-only tree and its
-drafter KV appended the same way.
+drafter KV appended the same way. With CUDA graphs, ``auto`` captures a target verify graph per
+tree-size tier (``graph_tiers``: 1 node for a plain step, ..., N) and each round replays its width's.
 
 DFlash2 checkpoints (SGLang's ``DFlash2DraftModel``: conv, transform, candidate selector) are
 served or refused at construction (``dflash2.resolve_draft_serving``); in lattice mode the
@@ -37,6 +38,7 @@ same round.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from types import SimpleNamespace
 
@@ -71,10 +73,11 @@ from ..verify import num_uniforms
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
+from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
 from .plan_store import SAVE_EVERY, ServedPlanStore, served_key
 from .kv_headroom import check_row_headroom
-from .meta_info import META_INFO_KEYS, RoundLog
+from .meta_info import META_INFO_KEYS, RoundLog, round_info_to_host
 from .penalties import apply_tree_penalties, count_accepted
 from .round import (
     adopt_rank0_decision,
@@ -115,69 +118,6 @@ def _host_seq_lens(batch) -> tuple[torch.Tensor, int]:
         return seq_lens_cpu, int(seq_lens_cpu.sum())
     seq_lens_sum = batch.seq_lens_sum
     return seq_lens_cpu, int(seq_lens_sum) if seq_lens_sum is not None else int(seq_lens_cpu.sum())
-
-
-class RoundColumn:
-    """One per-round value per request (a ``customized_info`` column) in host memory.
-
-    SGLang's result processor reads ``column[i]`` for request i
-    (``batch_result_processor.py:192-211``) only after ``copy_done.synchronize()``
-    (``:957-958``); the scheduler records ``copy_done`` on a stream ordered after the forward
-    (``scheduler.py:4731-4745, 4854-4863, 5019-5042``), so the non-blocking copy that filled
-    ``host`` has completed by then: reading it costs no device sync of its own.
-
-    Args:
-        host: float32 [len(META_INFO_KEYS), bs] in host memory (pinned on CUDA).
-        row: which row; cast: ``int`` or ``float`` for the values handed out.
-    """
-
-    __slots__ = ("host", "row", "cast", "_values")
-
-    def __init__(self, host: torch.Tensor, row: int, cast) -> None:
-        self.host, self.row, self.cast, self._values = host, row, cast, None
-
-    def _read(self) -> list:
-        if self._values is None:
-            self._values = [self.cast(v) for v in self.host[self.row].tolist()]
-        return self._values
-
-    def __getitem__(self, i):
-        return self._read()[i]
-
-    def peek(self) -> list | None:
-        """The values if the scheduler has read them already, else None (never reads ``host``)."""
-        return self._values
-
-    def __len__(self) -> int:
-        return int(self.host.shape[1])
-
-    def __iter__(self):
-        return iter(self._read())
-
-
-def round_info_to_host(
-    commit_lens: torch.Tensor, exit_depth: torch.Tensor, coverage: torch.Tensor, budget: torch.Tensor
-) -> dict:
-    """The round's ``customized_info`` (:data:`META_INFO_KEYS`) with ONE non-blocking copy.
-
-    Args:
-        commit_lens: int [bs] tokens emitted this round; exit_depth: int [bs] depth of the exit
-            node; coverage: float [bs] the tree's coverage of the target law; budget: int [bs]
-            drafted nodes in each request's tree this round.
-    Returns:
-        ``{key: RoundColumn}`` over one host tensor float32 [len(META_INFO_KEYS), bs]: on CUDA a
-        pinned buffer filled by ``copy_(non_blocking=True)`` (fenced by the scheduler's
-        ``copy_done``), on CPU the stacked tensor itself. SGLang's scheduler keeps the values
-        token-aligned and its tokenizer manager hands out one per round (``meta_info.py``).
-    """
-    info = torch.stack([commit_lens.float(), exit_depth.float(), coverage.float(), budget.float()])
-    if info.is_cuda:
-        host = torch.empty(info.shape, dtype=info.dtype, pin_memory=True)
-        host.copy_(info, non_blocking=True)
-    else:
-        host = info
-    casts = (int, int, float, int)
-    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}
 
 
 def _row_temperatures(sampling, bs: int) -> list[float]:
@@ -249,6 +189,8 @@ class TEVWorker(DFlashWorkerV2):
             self._served_budget = ServedBudget(self.tev.budget, self.block_size, broadcast=broadcast,
                                                leader=get_parallel().tp_rank == 0)
             self._layout_resolved = False
+        # auto on CUDA: a target verify graph runner per tree-size tier (graph_tiers), built at start-up
+        self._tier_backends, self._graph_tiers = {}, None
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
         self._round_log = (
             RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)
@@ -270,6 +212,19 @@ class TEVWorker(DFlashWorkerV2):
         keeps it eager. A DFlash2 drafter in lattice mode keeps its head eager (the draft forward,
         conv included, still replays in the draft graph): SGLang's selector walk is never folded."""
         return build_tev_draft_head(self)
+
+    def init_attention_backends(self):
+        """DFlash's, then one private target backend per graph tier under auto (``graph_tiers``)."""
+        super().init_attention_backends()
+        self._tier_backends = build_tier_backends(self.target_worker.model_runner, wanted_tier_sizes(self.tev, self.device),
+                                                  self.tev.tree_size)
+
+    def init_cuda_graphs(self):
+        """DFlash's (the draft graphs), then the target's verify graphs at each tier below N, after
+        SGLang captured N's; the planner's budgets become the tiers'."""
+        super().init_cuda_graphs()
+        self._graph_tiers = capture_tiers(self.target_worker.model_runner, self._tier_backends, self.tev.tree_size,
+                                          served=self._served_budget, log_rank0=get_parallel().tp_rank == 0)
 
     def _validate_phase1_sampling_support(self, batch) -> None:
         """No-op. DFlash's check (``dflash_worker_v2.py:2287-2317``) warns that sampled requests
@@ -333,7 +288,8 @@ class TEVWorker(DFlashWorkerV2):
         if plan_cache_enabled():
             key = served_key(runner.model, self.draft_model, runner.model_config.dtype, self.device,
                              tp_size=self._tp_size, attn_backend=runner.attn_backend, layout=served.layout,
-                             capacity=served.capacity, block_size=self.block_size)
+                             capacity=served.capacity, block_size=self.block_size, grid=served.grid,
+                             graphs=self._graph_tiers is not None)
             self._plan_store = ServedPlanStore(key)
             laws = self._plan_store.load_into(served)
             logger.info("TEV plan cache: %s", f"restored {', '.join(laws)}" if laws else "nothing to restore yet")
@@ -567,7 +523,8 @@ class TEVWorker(DFlashWorkerV2):
         if served is not None and drafted is not None:
             round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(sampling, bs))
         N = tree.num_nodes  # this round's width: the capacity with a fixed budget
-        graph_runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
+        tiers = self._graph_tiers  # auto on CUDA: the round's width replays its tier (None: eagerly)
+        graph_runner = tiers.runner_for(N) if tiers is not None else getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
         # a root-only round (a plain step) without target graphs runs as SGLang's DECODE forward;
         # a graph captured for TARGET_VERIFY (with its mask) is replayed with one
         decode = N == 1 and graph_runner is None
@@ -586,10 +543,11 @@ class TEVWorker(DFlashWorkerV2):
         if not decode and graph_runner is None and round_plan is not None and round_plan.ragged:
             lens = [min(b + 1, N) for b in round_plan.budgets]
             pack = ragged_pack(tree, layout, prefix, lens, seq_lens_cpu.tolist())
-        if decode:  # a plain step for the whole batch: no verify input, no custom mask
-            target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
-        else:
-            target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner, pack)
+        with tiers.bound(N) if tiers is not None else contextlib.nullcontext():
+            if decode:  # a plain step for the whole batch: no verify input, no custom mask
+                target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
+            else:
+                target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner, pack)
         logits_output: LogitsProcessorOutput = target_out.logits_output
         logits = logits_output.next_token_logits
         target_lp = self._target_logits_processor

@@ -62,7 +62,7 @@ def test_every_name_the_repository_mentions_is_registered():
 
 
 def test_registry_declarations():
-    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 17
+    assert len(env.REGISTRY) == len(set(env.REGISTRY)) == 18
     for name, var in env.REGISTRY.items():
         assert name == var.name and name.startswith(env.PREFIX)
         assert var.audience in (env.USER, env.TESTING)
@@ -70,7 +70,8 @@ def test_registry_declarations():
         assert var.read({}) == var.default  # unset -> the default
     assert set(env.names(env.USER)) | set(env.names(env.TESTING)) == set(env.names())
     assert env.names(env.USER) == ("SGLANG_TEV_VERIFIER", "SGLANG_TEV_TOPK", "SGLANG_TEV_DFLASH2_MODE",
-                                   "SGLANG_TEV_BUDGET", "SGLANG_TEV_CACHE", "SGLANG_TEV_NATIVE", "SGLANG_TEV_PLAN_CACHE",
+                                   "SGLANG_TEV_BUDGET", "SGLANG_TEV_GRAPH_TREE_SIZES", "SGLANG_TEV_CACHE",
+                                   "SGLANG_TEV_NATIVE", "SGLANG_TEV_PLAN_CACHE",
                                    "SGLANG_TEV_REFERENCE_ATTENTION")
 
 
@@ -293,6 +294,19 @@ def _old_choice(raw: str, choices: tuple, default: str) -> str:
     return value
 
 
+def _old_tree_sizes(e):
+    # new with the graph tiers: auto (or empty) = None, the off words = (), else tree sizes >= 1
+    v = e.get("SGLANG_TEV_GRAPH_TREE_SIZES", "").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v in ("0", "false", "no", "off"):
+        return ()
+    sizes = tuple(int(x) for x in v.split(","))
+    if min(sizes) < 1:
+        raise ValueError(v)
+    return sizes
+
+
 OLD = {
     "SGLANG_TEV_VERIFIER": _old_verifier,
     "SGLANG_TEV_TOPK": _old_topk,
@@ -303,6 +317,7 @@ OLD = {
     # new with the served auto budget: fixed | auto (| auto-ragged since the ragged verify), stripped,
     # any case, empty = fixed
     "SGLANG_TEV_BUDGET": lambda e: _old_choice(e.get("SGLANG_TEV_BUDGET", ""), ("fixed", "auto", "auto-ragged"), "fixed"),
+    "SGLANG_TEV_GRAPH_TREE_SIZES": _old_tree_sizes,
     "SGLANG_TEV_PLAN_CACHE": lambda e: e.get("SGLANG_TEV_PLAN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off"),
     "SGLANG_TEV_REFERENCE_ATTENTION": _old_reference_attention,
     "SGLANG_TEV_CPU_ATTN_IGNORE_MASK": _old_ignore_mask,
@@ -319,7 +334,7 @@ OLD = {
 
 RAWS = [None, "", " ", "1", "0", " 1 ", "true", "TRUE", "yes", "on", "false", "No", " off ", "2", "-1", "08",
         "8", " 16 ", "+4", "four", "tev", "Sequential", " predraw ", "greedy", "lattice", "MARGINAL",
-        "walk", "/tmp/x", "maybe", "auto-ragged", " Auto-Ragged "]
+        "walk", "/tmp/x", "maybe", "auto-ragged", " Auto-Ragged ", "auto", "1,5, 9", "9,0", "5,,9"]
 
 
 def test_old_readers_are_all_covered():

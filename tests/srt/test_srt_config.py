@@ -121,24 +121,42 @@ def test_cpu_turns_decode_graphs_off_and_says_why(caplog):
                          environ={"SGLANG_USE_CPU_ENGINE": "1"})  # fmt: skip
 
 
-def test_auto_budget_runs_the_decode_eagerly_and_reaches_the_worker(caplog):
-    """SGLANG_TEV_BUDGET=auto: the verify width changes every round, so decode graphs are turned
-    off (said in the log); the worker's rebuilt settings carry the mode; fixed is the default."""
+def test_auto_budget_keeps_graphs_per_tier_and_reaches_the_worker(caplog):
+    """SGLANG_TEV_BUDGET=auto on CUDA keeps the decode graphs (one target tier per tree size,
+    graph_tiers; the sizes in the log); with SGLANG_TEV_GRAPH_TREE_SIZES=off, and under auto-ragged,
+    the decode runs eagerly (said in the log); a tier above N is refused on every device before
+    any write; the worker's rebuilt settings carry the mode; fixed is the default."""
     cfg = _GraphConfig()
     sa = args(attention_backend="triton", cuda_graph_config=cfg)
     env = {"SGLANG_TEV_BUDGET": "Auto"}
-    with caplog.at_level("WARNING", logger="sglang_tev.srt.config"):
+    with caplog.at_level("INFO", logger="sglang_tev.srt.config"):
         s = resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env)
     assert s.budget_mode == "auto" and settings_from_server_args(sa, environ=env) == s
+    assert sa.cuda_graph_config.decode.backend == "full"
+    assert any("graphs at tree sizes 1, 5, 9, 17, 33, 65" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
+    with caplog.at_level("WARNING", logger="sglang_tev.srt.config"):
+        resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={**env, "SGLANG_TEV_GRAPH_TREE_SIZES": "off"})
     assert sa.cuda_graph_config.decode.backend == "disabled" and cfg.decode.backend == "full"
-    assert any("runs the decode eagerly" in r.getMessage() for r in caplog.records)
+    assert any("runs the decode eagerly (SGLANG_TEV_GRAPH_TREE_SIZES=off)" in r.getMessage() for r in caplog.records)
+    for device, backend in (("cuda", "triton"), ("cpu", None)):
+        sa = args(device=device, attention_backend=backend, cuda_graph_config=_GraphConfig(),
+                  speculative_num_draft_tokens=17)  # fmt: skip
+        before = dict(vars(sa))
+        with pytest.raises(ValueError, match=r"SGLANG_TEV_GRAPH_TREE_SIZES: tree sizes must be in \[1, N = 17\].*\[33\]"):
+            resolve_server_args(sa, read_draft_block_size=lambda _: 16,
+                                environ={**env, "SGLANG_TEV_GRAPH_TREE_SIZES": "9,33", "SGLANG_USE_CPU_ENGINE": "1"})
+        assert vars(sa) == before  # refused before any write
+    with pytest.raises(ValueError, match="SGLANG_TEV_GRAPH_TREE_SIZES must be auto, off or comma-separated"):
+        validate_server_args(args(attention_backend="triton"), environ={"SGLANG_TEV_GRAPH_TREE_SIZES": "nine"})
     sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
     assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={}).budget_mode == "fixed"
     assert sa.cuda_graph_config.decode.backend == "full"
     # TP > 1 is served (rank 0 plans, every rank adopts: srt/budget.py)
     sa = args(attention_backend="triton", tp_size=2, cuda_graph_config=_GraphConfig())
     assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env).budget_mode == "auto"
-    # auto-ragged (per-request sizes where the backend takes ragged verifies) runs eagerly too
+    # auto-ragged (per-request sizes where the backend takes ragged verifies) runs eagerly
     sa = args(attention_backend="flashinfer", cuda_graph_config=_GraphConfig())
     s = resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={"SGLANG_TEV_BUDGET": "Auto-Ragged"})
     assert s.budget_mode == "auto-ragged" and sa.cuda_graph_config.decode.backend == "disabled"

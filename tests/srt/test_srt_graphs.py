@@ -364,9 +364,11 @@ def _tree_logits(model, ctx, tokens, positions, rows):
     return model(inp, position_ids=pos, attention_mask=add).logits[0, s:]
 
 
-def _run_worker(monkeypatch, graphs: bool):
+def _run_worker(monkeypatch, graphs: bool, tiers: bool = False):
     """Decode 16 tokens for 3 requests through ``TEVWorker._tev_decode`` with SGLang's GPU-only
-    pieces faked; ``graphs`` replays the draft and target "graphs" above, else runs eagerly."""
+    pieces faked; ``graphs`` replays the draft and target "graphs" above, else runs eagerly;
+    ``tiers`` (with ``graphs``): ``SGLANG_TEV_BUDGET=auto`` with a target "graph" per tree-size tier
+    (``graph_tiers.GraphTiers``), the width changing round to round."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -374,6 +376,9 @@ def _run_worker(monkeypatch, graphs: bool):
     from transformers import AutoModelForCausalLM
 
     import sglang_tev.srt.worker as W
+    from sglang_tev.costs import CostTable
+    from sglang_tev.srt.budget import ServedBudget
+    from sglang_tev.srt.graph_tiers import GraphTiers, tier_sizes
     from sglang_tev.srt.graphs import TevDraftHead
     from sglang_tev.srt.kv_headroom import required_row_extra
 
@@ -409,6 +414,7 @@ def _run_worker(monkeypatch, graphs: bool):
         # deterministic: depth j of a block proposes the true continuation except where
         # (position + request) % 4 == 0, so trees are deep but not always right
         n_rows = fb.input_ids.numel()
+        now[0] += 0.5e-3
         logits = torch.sin(torch.arange(n_rows * V, dtype=torch.float32)).view(n_rows, V)
         for b in range(min(fb.batch_size, bs)):
             base = int(fb.positions[b * K]) + 1
@@ -422,6 +428,10 @@ def _run_worker(monkeypatch, graphs: bool):
         return SimpleNamespace(logits_output=SimpleNamespace(hidden_states=drafter(fb)))  # eager: no can_run_graph
 
     graph = TargetGraph(target, kv, req_to_token, N=N, V=V, ctx=ctx, buckets=buckets) if graphs else None
+    sizes = tier_sizes(N) if tiers else ()
+    tier_graphs = {w: graph if w == N else TargetGraph(target, kv, req_to_token, N=w, V=V, ctx=ctx, buckets=buckets)
+                   for w in sizes}  # fmt: skip
+    now = [0.0]  # under tiers, the planner's clock: the fakes advance it by their tokens
 
     def prepare_for_verify(self, batch, target_worker, **kw):
         # as SGLang's (dflash_info.py:66-133): can_run_graph, then load_batch when it can
@@ -440,9 +450,14 @@ def _run_worker(monkeypatch, graphs: bool):
     def target_forward(*, batch, forward_batch, is_verify, skip_attn_backend_init):
         fb = forward_batch
         vi = fb.spec_info
+        now[0] += 1e-3 + 1e-4 * vi.draft_token_num * bs
         if fb.graph:
-            logits = graph.replay().clone()
+            # the runner ModelRunner.forward reads at forward time (the tier bound for this round)
+            runner = model_runner.decode_cuda_graph_runner
+            assert runner.N == vi.draft_token_num and (runner is graph or tiers)
+            logits = runner.replay().clone()
         else:
+            assert not tiers, "a tier width ran eagerly"
             logits = torch.empty(bs * N, V)
             start = 0
             for b in range(bs):
@@ -452,7 +467,7 @@ def _run_worker(monkeypatch, graphs: bool):
                 c = kv[req_to_token[fb.req_pool_indices[b], :s]]
                 logits[b * N : (b + 1) * N] = _tree_logits(target, c, vi.draft_token[b * N : (b + 1) * N], vi.positions[b * N : (b + 1) * N], rows)
         kv[fb.out_cache_loc] = vi.draft_token
-        hidden = torch.arange(bs * N, dtype=torch.float32).view(-1, 1).repeat(1, 2)
+        hidden = torch.arange(bs * vi.draft_token_num, dtype=torch.float32).view(-1, 1).repeat(1, 2)
         return SimpleNamespace(logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=fb.graph)
 
     monkeypatch.setattr(W, "assign_extend_cache_locs_func", assign_locs)
@@ -478,11 +493,17 @@ def _run_worker(monkeypatch, graphs: bool):
         forward = dgraph.forward
     else:
         forward = draft_forward
+    if tiers:
+        monkeypatch.setenv("SGLANG_TEV_BUDGET", "auto")
     w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier="tev",
                          model_runner=model_runner, target_forward=target_forward, draft_forward=forward,
                          translator=translator)
     if head is not None:
         w._draft_sampler = head  # what init_cuda_graphs installs (dflash_worker_v2.py:884-998)
+    if tiers:  # what init_cuda_graphs sets up after capture_tiers (a clock the fakes advance: same choices anywhere)
+        w._served_budget = ServedBudget(N - 1, K, costs=CostTable(load_correction=False), clock=lambda: now[0])
+        w._graph_tiers = GraphTiers(model_runner, tier_graphs)
+        w._served_budget.use_grid(w._graph_tiers.budgets)
 
     greedy = SamplingBatchInfo(
         temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),
@@ -498,7 +519,7 @@ def _run_worker(monkeypatch, graphs: bool):
         forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False), is_extend_in_batch=False,
         has_grammar=False, return_logprob=False, out_cache_loc=None,
     )  # fmt: skip
-    rounds = []
+    rounds, widths = [], []
     ptrs = (head.logq.data_ptr(), head.ids.data_ptr()) if head is not None else None
     while min(len(o) for o in out) < new_tokens:
         res = w.forward_batch_generation(batch)
@@ -507,11 +528,18 @@ def _run_worker(monkeypatch, graphs: bool):
             a = int(res.accept_lens[b])
             out[b] += res.next_token_ids[b * N : b * N + a].tolist()
         rounds.append(res.accept_lens.tolist())
+        widths.append(res.logits_output.customized_info["tev_budget"][0] + 1)
         batch.seq_lens = res.new_seq_lens.clone()
         batch.seq_lens_cpu = res.new_seq_lens.clone()
         batch.seq_lens_sum = int(batch.seq_lens.sum())
         batch.spec_info = res.next_draft_input
-    if graphs:
+    if tiers:
+        # every round replayed the target tier of its width (plain steps: the width-1 tier), every
+        # tree round the draft graph; the widths changed
+        assert {w: g.loads for w, g in tier_graphs.items()} == {w: widths.count(w) for w in sizes}
+        assert dgraph.replays == calls["head_topk"] == sum(w > 1 for w in widths) and calls["eager_topk"] == 0
+        assert len(set(widths)) >= 3 and 1 in widths, widths
+    elif graphs:
         # every round replayed both graphs, the head ran inside the draft graph only, and the
         # static buffers never moved
         assert graph.loads == dgraph.replays == calls["head_topk"] == len(rounds) and calls["eager_topk"] == 0
@@ -532,3 +560,12 @@ def test_graph_replay_emulation_matches_eager_and_plain_greedy(monkeypatch):
     assert rounds_graph == rounds_eager
     accepted = [a - 1 for r in rounds_graph for a in r]
     assert sum(accepted) / len(accepted) >= 1.5
+
+
+def test_graph_tiers_replay_each_rounds_width_and_keep_plain_greedy(monkeypatch):
+    """SGLANG_TEV_BUDGET=auto with a target graph per tree-size tier (1, 5, 9 and N = 12 here): the
+    width changes round to round (plain steps included), each round replays the tier of its width
+    (the runner bound on the model runner while the forward runs; none runs eagerly), and the
+    tokens are plain greedy decoding's."""
+    got, refs, _ = _run_worker(monkeypatch, graphs=True, tiers=True)
+    assert got == refs

@@ -173,7 +173,7 @@ def test_round_log_lines(caplog):
     """The log line averages the rounds the scheduler has read; an unread round (the newest, in
     flight) waits for the next line, one never read (all its requests finished) is skipped, and
     the log itself runs no tensor op (it reads the columns' Python lists)."""
-    from sglang_tev.srt.worker import round_info_to_host
+    from sglang_tev.srt.meta_info import round_info_to_host
     from sglang_tev.testing.host_sync import HostSyncCounter
 
     def round_(acc, depth, cov, budget, read=True):
