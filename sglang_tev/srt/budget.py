@@ -22,6 +22,10 @@ the CPU server a tree round of TEV N = 17 cost 1.7-2.2 plain steps under the gre
 benchmark), so greedy rounds' costs would make sampled trees look cheap. The reach calibration is
 shared (it is kept per temperature regime already).
 
+Grid: the budgets a round may take, :func:`budget_grid` (the default grid up to the capacity);
+with CUDA graphs, the captured tiers' (:mod:`sglang_tev.srt.graph_tiers`, :meth:`ServedBudget.use_grid`),
+so every round's width replays a graph.
+
 Layout: ``"padded"`` (``SGLANG_TEV_BUDGET=auto``), one width for every request of a round (the
 forward keeps a [bs, w] shape); ``"ragged"`` (``auto-ragged``, where the attention backend takes
 SGLang's ``RaggedVerifyLayout``: per-request verify lengths in one forward), each request's tree
