@@ -173,8 +173,8 @@ SERVED_BUDGETS = ("fixed", "auto", "auto-ragged")
 
 
 def _served_budget(raw: str) -> str:
-    # srt/config: stripped, lower-cased; empty = fixed
-    value = raw.strip().lower() or "fixed"
+    # srt/config: stripped, lower-cased; empty = auto (the default since the graph tiers)
+    value = raw.strip().lower() or "auto"
     if value not in SERVED_BUDGETS:
         raise ValueError(f"must be one of {SERVED_BUDGETS}, got {raw!r}")
     return value
@@ -253,11 +253,12 @@ _VARIABLES = (
     Variable(DFLASH2_MODE, _dflash2_mode, None, " | ".join(DFLASH2_MODES) + " (any case; empty = unset)",
              "how the SGLang plugin drafts with a DFlash2 checkpoint (unset: lattice when it has a candidate "
              "selector, else marginal)", USER, DFLASH2_MODES),
-    Variable(BUDGET, _served_budget, "fixed", " | ".join(SERVED_BUDGETS) + " (any case; empty = fixed)",
-             "how the SGLang plugin sizes each round's trees: fixed = N - 1 nodes every round; auto = one width "
+    Variable(BUDGET, _served_budget, "auto", " | ".join(SERVED_BUDGETS) + " (any case; empty = auto)",
+             "how the SGLang plugin sizes each round's trees: auto (the default) = one width "
              "per round for the batch, from the calibrated exit law and the measured round cost, at most N - 1 "
              "(0 = a plain decoding step; under TP rank 0's plan; CPU-verified; on CUDA target verify graphs per "
-             "tree-size tier, SGLANG_TEV_GRAPH_TREE_SIZES, not run on a GPU yet); "
+             "tree-size tier, SGLANG_TEV_GRAPH_TREE_SIZES, not run on a GPU yet); fixed = N - 1 nodes every round "
+             "(what sglang-tev tune times); "
              "auto-ragged = auto with each request's tree cut to its own size within that width, verified in one "
              "ragged forward (tev_cpu, tested; FlashInfer, not run on a GPU; one width elsewhere)", USER, SERVED_BUDGETS),
     Variable(GRAPH_TREE_SIZES, _tree_sizes, None, "auto | off | comma-separated tree sizes in [1, N] (empty = auto)",

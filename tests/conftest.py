@@ -27,6 +27,9 @@ torch.set_num_threads(1)
 # budget="auto" would carry what one test's runtime learned into the next through the plan
 # cache in ~/.cache (tests/runtime/test_plan_cache.py turns it on, in a temporary folder)
 os.environ["SGLANG_TEV_PLAN_CACHE"] = "0"
+# the SGLang plugin's default is load-adaptive (SGLANG_TEV_BUDGET=auto); the tests check fixed trees
+# unless they set a mode themselves (monkeypatch, a host's env), whatever the shell exports
+os.environ["SGLANG_TEV_BUDGET"] = "fixed"
 # the helper modules shared by every tier (tiny_pair, exact_law, ...) sit in this folder
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -166,8 +166,9 @@ def format_tune(result: dict) -> str:
         if r["budget"] == 0:
             how = "plain decoding (no --speculative-algorithm)"
         else:
+            # tune timed fixed trees: SGLang's default sizes each round's tree from the load instead
             how = (f"--speculative-algorithm TEV --speculative-num-draft-tokens {r['speculative_num_draft_tokens']}"
-                   + (f"  (SGLANG_TEV_VERIFIER={r['verifier']})" if r["temperature"] > 0 else ""))
+                   + "  (SGLANG_TEV_BUDGET=fixed" + (f", SGLANG_TEV_VERIFIER={r['verifier']})" if r["temperature"] > 0 else ")"))
         lines.append(f"batch {r['batch']}, T={r['temperature']:g}: {how}")
     return "\n".join(lines)
 

@@ -155,7 +155,7 @@ class TevSettings:
     max_depth: int
     topk: int
     verifier: str
-    budget_mode: str = "fixed"
+    budget_mode: str = "auto"
 
     @property
     def budget(self) -> int:

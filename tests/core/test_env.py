@@ -315,8 +315,8 @@ OLD = {
     "SGLANG_TEV_NATIVE": _old_native,
     # new with the plan cache: the same on/off words as NATIVE
     # new with the served auto budget: fixed | auto (| auto-ragged since the ragged verify), stripped,
-    # any case, empty = fixed
-    "SGLANG_TEV_BUDGET": lambda e: _old_choice(e.get("SGLANG_TEV_BUDGET", ""), ("fixed", "auto", "auto-ragged"), "fixed"),
+    # any case; empty = auto since auto became the default (with the graph tiers)
+    "SGLANG_TEV_BUDGET": lambda e: _old_choice(e.get("SGLANG_TEV_BUDGET", ""), ("fixed", "auto", "auto-ragged"), "auto"),
     "SGLANG_TEV_GRAPH_TREE_SIZES": _old_tree_sizes,
     "SGLANG_TEV_PLAN_CACHE": lambda e: e.get("SGLANG_TEV_PLAN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off"),
     "SGLANG_TEV_REFERENCE_ATTENTION": _old_reference_attention,

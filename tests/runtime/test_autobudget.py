@@ -881,6 +881,9 @@ def test_run_tune_measures_every_configuration_and_picks_the_fastest():
     assert table.frozen and table.measured(3, 0) and table.measured(1, 6)
     text = format_tune(res)
     assert text.count("  *") == 4 and ("--speculative-num-draft-tokens" in text or "plain decoding" in text)
+    # tune timed fixed trees, and SGLang's default sizes trees from the load: its lines say fixed
+    tev_lines = [ln for ln in text.splitlines() if "--speculative-algorithm TEV" in ln]
+    assert all("(SGLANG_TEV_BUDGET=fixed" in ln for ln in tev_lines)
 
 
 def test_run_tune_refuses_bad_arguments_before_running():

@@ -125,7 +125,7 @@ def test_auto_budget_keeps_graphs_per_tier_and_reaches_the_worker(caplog):
     """SGLANG_TEV_BUDGET=auto on CUDA keeps the decode graphs (one target tier per tree size,
     graph_tiers; the sizes in the log); with SGLANG_TEV_GRAPH_TREE_SIZES=off, and under auto-ragged,
     the decode runs eagerly (said in the log); a tier above N is refused on every device before
-    any write; the worker's rebuilt settings carry the mode; fixed is the default."""
+    any write; the worker's rebuilt settings carry the mode; auto is the default."""
     cfg = _GraphConfig()
     sa = args(attention_backend="triton", cuda_graph_config=cfg)
     env = {"SGLANG_TEV_BUDGET": "Auto"}
@@ -150,9 +150,13 @@ def test_auto_budget_keeps_graphs_per_tier_and_reaches_the_worker(caplog):
         assert vars(sa) == before  # refused before any write
     with pytest.raises(ValueError, match="SGLANG_TEV_GRAPH_TREE_SIZES must be auto, off or comma-separated"):
         validate_server_args(args(attention_backend="triton"), environ={"SGLANG_TEV_GRAPH_TREE_SIZES": "nine"})
+    # auto is the default; fixed keeps SGLang's graphs at N only
     sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
-    assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={}).budget_mode == "fixed"
+    assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={}).budget_mode == "auto"
     assert sa.cuda_graph_config.decode.backend == "full"
+    sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
+    s = resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={"SGLANG_TEV_BUDGET": "fixed"})
+    assert s.budget_mode == "fixed" and sa.cuda_graph_config.decode.backend == "full"
     # TP > 1 is served (rank 0 plans, every rank adopts: srt/budget.py)
     sa = args(attention_backend="triton", tp_size=2, cuda_graph_config=_GraphConfig())
     assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env).budget_mode == "auto"

@@ -103,6 +103,9 @@ def plain_kwargs(**extra) -> dict:
 def _env(extra_env: dict | None) -> dict:
     env = harness.harness_env()
     env.setdefault("OMP_NUM_THREADS", "1")
+    # the tests and benchmarks time and check fixed trees unless they ask for a load-adaptive mode
+    # (SGLANG_TEV_BUDGET=auto, the plugin's default, is set explicitly where it is under test)
+    env.setdefault("SGLANG_TEV_BUDGET", "fixed")
     env.update(extra_env or {})
     return env
 
