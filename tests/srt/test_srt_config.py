@@ -103,7 +103,11 @@ def test_cuda_keeps_decode_graphs_the_target_verify_captures_with_the_tree_mask(
             resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={})
         assert sa.cuda_graph_config is cfg and cfg.decode.backend == (explicit or "full")
         assert sa.attention_backend == backend and sa.speculative_draft_attention_backend == backend
-    assert not [r for r in caplog.records if "graph" in r.getMessage()]
+    # the only word on graphs: auto's (the default) tiers, captured beside SGLang's at N (none when disabled)
+    said = {r.getMessage() for r in caplog.records if "graph" in r.getMessage()}
+    tiers = {"TEV: SGLANG_TEV_BUDGET=auto captures target verify graphs at tree sizes 1, 5, 9, 17, 33, 65 "
+             "(SGLANG_TEV_GRAPH_TREE_SIZES)"}
+    assert said == (set() if explicit == "disabled" else tiers), said
 
 
 def test_cpu_turns_decode_graphs_off_and_says_why(caplog):

@@ -105,7 +105,7 @@ def _env(extra_env: dict | None) -> dict:
     env.setdefault("OMP_NUM_THREADS", "1")
     # the tests and benchmarks time and check fixed trees unless they ask for a load-adaptive mode
     # (SGLANG_TEV_BUDGET=auto, the plugin's default, is set explicitly where it is under test)
-    env.setdefault("SGLANG_TEV_BUDGET", "fixed")
+    env.setdefault(tev_env.BUDGET, "fixed")
     env.update(extra_env or {})
     return env
 
