@@ -181,19 +181,20 @@ def _served_budget(raw: str) -> str:
 
 
 def _tree_sizes(raw: str) -> Optional[tuple]:
-    # srt/graph_tiers: empty / "auto" = the default tiers (None); "off" = none (auto runs eagerly);
-    # else comma-separated tree sizes >= 1 (checked against N when the server's args are resolved)
+    # srt/graph_tiers: empty / "auto" = the default tiers (None); "off" = none (auto runs eagerly;
+    # only the word: "0" is a tree size, refused); else comma-separated tree sizes >= 1 (checked
+    # against N when the server's args are resolved)
     value = raw.strip().lower()
     if value in ("", "auto"):
         return None
-    if value in _OFF:
+    if value == "off":
         return ()
     try:
         sizes = tuple(int(x) for x in value.split(","))
     except ValueError:
         raise ValueError(f"must be auto, off or comma-separated tree sizes (integers >= 1), got {raw!r}") from None
     if any(x < 1 for x in sizes):
-        raise ValueError(f"tree sizes must be integers >= 1, got {raw!r}")
+        raise ValueError(f"must be auto, off or comma-separated tree sizes (integers >= 1), got {raw!r}")
     return sizes
 
 

@@ -16,8 +16,13 @@ model runner: UNO's private tree-draft runner builds its backend with
 runner only around the forward that needs it (``:791-801``). The planner's budgets become the
 tiers' (budget b runs at w = b + 1 nodes), so every round's width has a graph; a batch above a
 tier's largest captured batch size runs eagerly, as any speculative decode does. Graph memory:
-the tiers share SGLang's graph memory pool and static input buffers
-(``DecodeInputBuffers.share_buffers``); each adds its backend's buffers and its graphs.
+the tiers share SGLang's graph memory pool, but each has its own backend graph state (the KV index
+and mask buffers a backend sizes by batch x width x context: the default tiers' widths sum to
+about N, so together about what SGLang's runner at N takes again) and its own static input buffers
+(SGLang's pool shares a buffer only between runners asking the same size). The capture's memory and
+time are logged; SGLang sized the KV pool before, so a GPU short of memory fails at start-up, with
+a message naming ``SGLANG_TEV_GRAPH_TREE_SIZES``. With two-batch overlap or PD multiplexing no tiers
+are captured (both re-wrap the backends per runner).
 
 Tiers (``SGLANG_TEV_GRAPH_TREE_SIZES``): by default 1, 5, 9, 17 and 33 below N (budgets 0, 4, 8,
 16, 32), plus N itself (the runner SGLang captured); or a list of tree sizes, to which 1 (the plain
@@ -76,12 +81,18 @@ class GraphTiers:
     replay the right one.
 
     Args:
-        model_runner: the target's ``ModelRunner`` (its ``decode_cuda_graph_runner`` is rebound
-            around each round's target forward).
+        model_runner: the target's ``ModelRunner``; around each round's target forward its
+            ``decode_cuda_graph_runner`` and ``attn_backend`` are rebound to the round's tier, as
+            SGLang binds both for UNO's second width (``_bind_uno_draft_runtime``) and EAGLE's
+            draft runtime: the replay plans on the runner's backend, and what runs outside the
+            graph (a breakable graph's eager attention, an eager fallback) reads the model
+            runner's, so the two must be the same.
         runners: ``{tree size: runner}`` (SGLang's ``DecodeCudaGraphRunner`` or a stand-in with
-            ``captured_req_width``), N's being the runner SGLang captured.
+            ``captured_req_width`` and ``attn_backend``), the largest being the runner SGLang
+            captured at N (``model_runner.decode_cuda_graph_runner`` at construction).
     Raises:
-        ValueError naming ``runners`` when one's ``captured_req_width`` is not its key.
+        ValueError naming ``runners`` when one's ``captured_req_width`` is not its key, or the
+        largest is not the model runner's own.
     """
 
     def __init__(self, model_runner, runners: dict) -> None:
@@ -90,6 +101,11 @@ class GraphTiers:
                 raise ValueError(f"runners: the runner under tree size {w} was captured at {r.captured_req_width}")
         self.model_runner = model_runner
         self.runners = {int(w): r for w, r in runners.items()}
+        self.tree_size = max(self.runners)
+        self.main = self.runners[self.tree_size]
+        if self.main is not model_runner.decode_cuda_graph_runner:
+            raise ValueError(f"runners: the runner under tree size {self.tree_size} (N) must be the model runner's own")
+        self.stale = False
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -101,22 +117,35 @@ class GraphTiers:
         return tuple(w - 1 for w in self.sizes)
 
     def runner_for(self, width: int):
-        """The runner captured at ``width`` tokens per request, or None (the forward runs eagerly)."""
-        return self.runners.get(int(width))
+        """The runner to replay a round of ``width`` tokens per request, or None (the forward runs
+        eagerly). At N, the model runner's current one. When SGLang has replaced that since the
+        tiers were captured (a weight update with ``recapture_cuda_graph``), the tiers' graphs may
+        read freed weights: tiers below N are dropped from then on (eager; said once)."""
+        current = self.model_runner.decode_cuda_graph_runner
+        if current is not self.main and not self.stale:
+            self.stale = True
+            logger.warning("TEV: SGLang recaptured the target's verify graphs; rounds below N = %d now run eagerly "
+                           "(the graph tiers were captured with the old ones)", self.tree_size)
+        if int(width) == self.tree_size:
+            return current
+        return None if self.stale else self.runners.get(int(width))
 
     @contextlib.contextmanager
     def bound(self, width: int) -> Iterator[object]:
-        """``model_runner.decode_cuda_graph_runner`` = the tier of ``width`` (None: eager) while
-        the round's target forward runs (SGLang's ``prepare_for_verify`` and ``ModelRunner.forward``
-        read that attribute), restored after, also on an error. Yields the bound runner."""
+        """The model runner's ``decode_cuda_graph_runner`` = the runner of ``width`` (None: eager)
+        and its ``attn_backend`` = that runner's backend (unchanged when eager) while the round's
+        target forward runs (SGLang's ``prepare_for_verify`` and ``ModelRunner.forward`` read
+        both), restored after, also on an error. Yields the bound runner."""
         mr = self.model_runner
-        saved = mr.decode_cuda_graph_runner
+        saved = mr.decode_cuda_graph_runner, mr.attn_backend
         runner = self.runner_for(width)
         mr.decode_cuda_graph_runner = runner
+        if runner is not None:
+            mr.attn_backend = getattr(runner, "attn_backend", saved[1])
         try:
             yield runner
         finally:
-            mr.decode_cuda_graph_runner = saved
+            mr.decode_cuda_graph_runner, mr.attn_backend = saved
 
 
 @contextlib.contextmanager
@@ -146,9 +175,13 @@ def wanted_tier_sizes(settings, device, environ=None) -> tuple[int, ...]:
     requested = _env.get(_env.GRAPH_TREE_SIZES, environ)
     if settings.budget_mode != "auto" or requested == () or torch.device(device).type != "cuda":
         return ()
-    from sglang.srt.runtime_context import get_exec
+    from sglang.srt.runtime_context import get_disagg, get_exec
 
     if str(get_exec().graph.cuda_graph_config.decode.backend) == "disabled":  # Backend.DISABLED, a plain str
+        return ()
+    if bool(get_exec().overlap.enable_two_batch_overlap) or bool(get_disagg().enable_pdmux):
+        # both re-wrap or re-initialise the model runner's backends per runner: not written for tiers
+        logger.warning("TEV: no graph tiers with two-batch overlap or PD multiplexing: rounds below N run eagerly")
         return ()
     return tier_sizes(settings.tree_size, requested)
 
@@ -194,6 +227,10 @@ def capture_tiers(model_runner, backends: dict, tree_size: int, served=None, log
     Returns:
         :class:`GraphTiers` over the tiers and SGLang's runner at N, or None when there are no
         tiers or SGLang captured no target graph (graphs off: every round runs eagerly).
+    Raises:
+        RuntimeError naming the tier and ``SGLANG_TEV_GRAPH_TREE_SIZES`` when a capture fails
+        (SGLang's error chained; the model runner restored): the server does not start, as with
+        SGLang's own capture.
     """
     main = getattr(model_runner, "decode_cuda_graph_runner", None)
     if main is None or not backends:
@@ -201,13 +238,20 @@ def capture_tiers(model_runner, backends: dict, tree_size: int, served=None, log
     cls = model_runner._decode_cuda_graph_runner_cls()
     runners = {int(tree_size): main}
     saved_backend = model_runner.attn_backend
-    tic = time.perf_counter()
+    tic, free_before = time.perf_counter(), _free_gpu_memory_gb(model_runner)
     try:
         for w, backend in sorted(backends.items(), reverse=True):
             model_runner.attn_backend = backend
             model_runner.decode_cuda_graph_runner = None
             with _spec_width(w):
-                runners[w] = cls(model_runner, attn_backend=backend, speculative_num_draft_tokens=w)
+                try:
+                    runners[w] = cls(model_runner, attn_backend=backend, speculative_num_draft_tokens=w)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"TEV: capturing the target verify graphs at tree size {w} failed ({type(e).__name__}: {e}); "
+                        "capture fewer tiers (SGLANG_TEV_GRAPH_TREE_SIZES=1,17 say), none "
+                        "(SGLANG_TEV_GRAPH_TREE_SIZES=off: auto runs the decode eagerly), or serve fixed trees "
+                        "(SGLANG_TEV_BUDGET=fixed)") from e
     finally:
         model_runner.attn_backend = saved_backend
         model_runner.decode_cuda_graph_runner = main
@@ -215,6 +259,17 @@ def capture_tiers(model_runner, backends: dict, tree_size: int, served=None, log
     if served is not None:
         served.use_grid(tiers.budgets)
     if log_rank0:
-        logger.info("TEV: target verify graphs at tree sizes %s (auto: one tier per round width), captured in %.1f s",
-                    ", ".join(map(str, tiers.sizes)), time.perf_counter() - tic)
+        free_after = _free_gpu_memory_gb(model_runner)
+        used = "" if free_before is None or free_after is None else f", {free_before - free_after:.2f} GB (avail {free_after:.2f} GB)"
+        logger.info("TEV: target verify graphs at tree sizes %s (auto: one tier per round width), captured in %.1f s%s",
+                    ", ".join(map(str, tiers.sizes)), time.perf_counter() - tic, used)
     return tiers
+
+
+def _free_gpu_memory_gb(model_runner) -> Optional[float]:
+    """Free device memory in GB as SGLang measures it around its captures, or None off CUDA."""
+    if str(getattr(model_runner, "device", "cpu")).split(":")[0] != "cuda":
+        return None
+    from sglang.srt.utils import get_available_gpu_memory
+
+    return float(get_available_gpu_memory(model_runner.device, model_runner.gpu_id, empty_cache=False))

@@ -295,11 +295,11 @@ def _old_choice(raw: str, choices: tuple, default: str) -> str:
 
 
 def _old_tree_sizes(e):
-    # new with the graph tiers: auto (or empty) = None, the off words = (), else tree sizes >= 1
+    # new with the graph tiers: auto (or empty) = None, "off" = (), else tree sizes >= 1 ("0" refused)
     v = e.get("SGLANG_TEV_GRAPH_TREE_SIZES", "").strip().lower()
     if v in ("", "auto"):
         return None
-    if v in ("0", "false", "no", "off"):
+    if v == "off":
         return ()
     sizes = tuple(int(x) for x in v.split(","))
     if min(sizes) < 1:

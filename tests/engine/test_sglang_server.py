@@ -513,9 +513,9 @@ def plain_steps():
 
 def test_plain_steps_equal_sglangs_plain_decoding(plain_steps, plain):
     """A plain step inside TEV (SGLang's DECODE forward, TEV's draw, its penalties, grammar walk and
-    logprobs) against SGLang's own plain decoding, one request at a time (batch 1 on both, so the
-    same bf16 arithmetic): the same tokens, logprobs within float noise, for logprobs, penalties
-    with min_new_tokens, two grammars, a stop string and a one-token request."""
+    logprobs) against SGLang's own plain decoding, one request at a time (batch 1 on both, both
+    eager): the same tokens, logprobs within one bf16 step (``PLAIN_STEP_TOL``; equal on this VM),
+    for logprobs, penalties with min_new_tokens, two grammars, a stop string and a one-token request."""
     bodies = [
         dict(greedy(PROMPTS[SERVED[0][0]], 24), return_logprob=True, top_logprobs_num=2, token_ids_logprob=[273, 15]),
         # additive penalties only: with repetition_penalty too SGLang's order depends on overlap

@@ -152,8 +152,9 @@ def test_auto_budget_keeps_graphs_per_tier_and_reaches_the_worker(caplog):
             resolve_server_args(sa, read_draft_block_size=lambda _: 16,
                                 environ={**env, "SGLANG_TEV_GRAPH_TREE_SIZES": "9,33", "SGLANG_USE_CPU_ENGINE": "1"})
         assert vars(sa) == before  # refused before any write
-    with pytest.raises(ValueError, match="SGLANG_TEV_GRAPH_TREE_SIZES must be auto, off or comma-separated"):
-        validate_server_args(args(attention_backend="triton"), environ={"SGLANG_TEV_GRAPH_TREE_SIZES": "nine"})
+    for bad in ("nine", "0", "1,,3", "-1"):  # "0" is a tree size (refused), not a word for off
+        with pytest.raises(ValueError, match="SGLANG_TEV_GRAPH_TREE_SIZES must be auto, off or comma-separated"):
+            validate_server_args(args(attention_backend="triton"), environ={"SGLANG_TEV_GRAPH_TREE_SIZES": bad})
     # auto is the default; fixed keeps SGLang's graphs at N only
     sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
     assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={}).budget_mode == "auto"

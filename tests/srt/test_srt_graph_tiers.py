@@ -41,21 +41,34 @@ class _Runner(SimpleNamespace):
     pass
 
 
-def test_binding_swaps_the_runner_for_the_round_and_restores_it():
-    main, r5 = _Runner(captured_req_width=9), _Runner(captured_req_width=5)
-    mr = SimpleNamespace(decode_cuda_graph_runner=main)
-    tiers = G.GraphTiers(mr, {9: main, 5: r5, 1: _Runner(captured_req_width=1)})
+def test_binding_swaps_the_runner_and_its_backend_for_the_round_and_restores_them(caplog):
+    b9, b5 = object(), object()
+    main, r5 = _Runner(captured_req_width=9, attn_backend=b9), _Runner(captured_req_width=5, attn_backend=object())
+    mr = SimpleNamespace(decode_cuda_graph_runner=main, attn_backend=b9)
+    r5.attn_backend = b5
+    tiers = G.GraphTiers(mr, {9: main, 5: r5, 1: _Runner(captured_req_width=1, attn_backend=object())})
     assert tiers.sizes == (1, 5, 9) and tiers.budgets == (0, 4, 8)
-    with tiers.bound(5) as r:
-        assert r is r5 and mr.decode_cuda_graph_runner is r5
-    assert mr.decode_cuda_graph_runner is main
-    with tiers.bound(3) as r:  # no tier: the forward runs eagerly (no runner to replay)
-        assert r is None and mr.decode_cuda_graph_runner is None
+    with tiers.bound(5) as r:  # what runs outside the graph reads the model runner's backend: the tier's
+        assert r is r5 and mr.decode_cuda_graph_runner is r5 and mr.attn_backend is b5
+    assert mr.decode_cuda_graph_runner is main and mr.attn_backend is b9
+    with tiers.bound(3) as r:  # no tier: the forward runs eagerly on SGLang's own backend
+        assert r is None and mr.decode_cuda_graph_runner is None and mr.attn_backend is b9
     with pytest.raises(RuntimeError, match="boom"), tiers.bound(1):
         raise RuntimeError("boom")
-    assert mr.decode_cuda_graph_runner is main
+    assert mr.decode_cuda_graph_runner is main and mr.attn_backend is b9
     with pytest.raises(ValueError, match="runners: the runner under tree size 5 was captured at 9"):
         G.GraphTiers(mr, {5: main})
+    with pytest.raises(ValueError, match=r"tree size 5 \(N\) must be the model runner's own"):
+        G.GraphTiers(mr, {5: r5, 1: _Runner(captured_req_width=1)})
+    # SGLang recaptured its runner (a weight update): N replays the new one, the tiers below go eager
+    new_main = _Runner(captured_req_width=9, attn_backend=b9)
+    mr.decode_cuda_graph_runner = new_main
+    with caplog.at_level("WARNING", logger=G.__name__):
+        assert tiers.runner_for(9) is new_main and tiers.runner_for(5) is None and tiers.runner_for(1) is None
+        with tiers.bound(5) as r:
+            assert r is None and mr.decode_cuda_graph_runner is None
+    assert mr.decode_cuda_graph_runner is new_main
+    assert sum("recaptured" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.fixture
@@ -123,7 +136,7 @@ def test_capture_binds_the_tiers_backend_and_restores_the_runner(widths):
             raise RuntimeError("out of memory")
 
     mr._decode_cuda_graph_runner_cls = lambda: Failing
-    with pytest.raises(RuntimeError, match="out of memory"):
+    with pytest.raises(RuntimeError, match=r"tree size 9 failed \(RuntimeError: out of memory\).*SGLANG_TEV_GRAPH_TREE_SIZES=off"):
         G.capture_tiers(mr, backends, 17)
     assert mr.attn_backend is main_backend and mr.decode_cuda_graph_runner is main
 
@@ -144,9 +157,11 @@ def test_served_grid_takes_the_tiers_budgets_before_the_first_round():
 def test_which_servers_capture_tiers(monkeypatch):
     import sglang.srt.runtime_context as rc
 
-    backend = {"value": "full"}
+    backend, tbo, pdmux = {"value": "full"}, {"on": False}, {"on": False}
     monkeypatch.setattr(rc, "get_exec", lambda: SimpleNamespace(graph=SimpleNamespace(
-        cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=backend["value"])))))  # fmt: skip
+        cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=backend["value"]))),
+        overlap=SimpleNamespace(enable_two_batch_overlap=tbo["on"])))  # fmt: skip
+    monkeypatch.setattr(rc, "get_disagg", lambda: SimpleNamespace(enable_pdmux=pdmux["on"]))
     auto = SimpleNamespace(budget_mode="auto", tree_size=33)
     assert G.wanted_tier_sizes(auto, "cuda:0", environ={}) == (1, 5, 9, 17, 33)
     assert G.wanted_tier_sizes(auto, "cuda", environ={"SGLANG_TEV_GRAPH_TREE_SIZES": "9"}) == (1, 9, 33)
@@ -154,6 +169,10 @@ def test_which_servers_capture_tiers(monkeypatch):
     assert G.wanted_tier_sizes(auto, "cpu", environ={}) == ()
     for mode in ("fixed", "auto-ragged"):
         assert G.wanted_tier_sizes(SimpleNamespace(budget_mode=mode, tree_size=33), "cuda", environ={}) == ()
+    for flag in (tbo, pdmux):  # both re-wrap the backends per runner: no tiers (SGLang's runner at N stays)
+        flag["on"] = True
+        assert G.wanted_tier_sizes(auto, "cuda", environ={}) == ()
+        flag["on"] = False
     backend["value"] = "disabled"
     assert G.wanted_tier_sizes(auto, "cuda", environ={}) == ()
 

@@ -317,6 +317,7 @@ class TargetGraph:
         self.mask = torch.zeros(self.max_bs * N * (ctx + N), dtype=torch.bool)  # stale False: a missing pad shows
         self.logits = torch.zeros(t, V)
         self.loads = 0
+        self.attn_backend = object()  # its own backend (graph_tiers builds one per tier)
 
     def can_run_graph(self, fb):
         return fb.spec_info.num_tokens_per_req == self.N and fb.batch_size <= self.max_bs
@@ -455,6 +456,7 @@ def _run_worker(monkeypatch, graphs: bool, tiers: bool = False):
             # the runner ModelRunner.forward reads at forward time (the tier bound for this round)
             runner = model_runner.decode_cuda_graph_runner
             assert runner.N == vi.draft_token_num and (runner is graph or tiers)
+            assert model_runner.attn_backend is runner.attn_backend  # what runs outside the graph reads it
             logits = runner.replay().clone()
         else:
             assert not tiers, "a tier width ran eagerly"
@@ -485,6 +487,7 @@ def _run_worker(monkeypatch, graphs: bool, tiers: bool = False):
         model=SimpleNamespace(lm_head=torch.nn.Linear(2, V)),
         model_config=SimpleNamespace(context_len=ctx),
         decode_cuda_graph_runner=graph,
+        attn_backend=graph.attn_backend if graph is not None else object(),
     )
     head = dgraph = None
     if graphs:
