@@ -528,6 +528,13 @@ def test_plain_steps_equal_sglangs_plain_decoding(plain_steps, plain):
         greedy(PROMPTS[7], 1),
     ]
     for j, body in enumerate(bodies):
+        for server in (plain_steps, plain):
+            # the same arithmetic on both: nothing else in the batch (a request left running by an
+            # earlier test would make it batch 2), and a cold prefill (the shared plain server's radix
+            # cache holds these prompts from earlier tests). In the engine suite on a loaded VM the
+            # logprobs once came 0.004 nats apart at token 9 without this; alone they are equal.
+            wait_idle(server)
+            assert server.get("/flush_cache")[0] == 200, server.tail()
         t, p = ok(plain_steps, "/generate", body), ok(plain, "/generate", body)
         assert t["output_ids"] == p["output_ids"] and t["text"] == p["text"], (j, t["text"], p["text"])
         tm, pm = t["meta_info"], p["meta_info"]
@@ -540,9 +547,12 @@ def test_plain_steps_equal_sglangs_plain_decoding(plain_steps, plain):
             bad = [(i, a, b) for i, (a, b) in enumerate(pairs) if a[1] != b[1] or abs(a[0] - b[0]) > PLAIN_STEP_TOL]
             assert not bad, (j, bad)
             for i, (a, b) in enumerate(zip(tm["output_top_logprobs"], pm["output_top_logprobs"])):
-                assert all(abs(x[0] - y[0]) <= PLAIN_STEP_TOL for x, y in zip(a, b)), (j, i, a, b)
-                if abs(b[0][0] - b[1][0]) > PLAIN_STEP_TOL:  # the order of a bf16 near-tie may flip
-                    assert [x[1] for x in a] == [x[1] for x in b], (j, i, a, b)
+                # the same top-k up to a bf16 near-tie at its edge: an id on one side only ranks
+                # within a step of the other side's k-th
+                ta, tb = {x[1]: x[0] for x in a}, {x[1]: x[0] for x in b}
+                assert all(abs(ta[v] - tb[v]) <= PLAIN_STEP_TOL for v in ta.keys() & tb.keys()), (j, i, a, b)
+                assert all(abs(ta[v] - b[-1][0]) <= PLAIN_STEP_TOL for v in ta.keys() - tb.keys()), (j, i, a, b)
+                assert all(abs(tb[v] - a[-1][0]) <= PLAIN_STEP_TOL for v in tb.keys() - ta.keys()), (j, i, a, b)
     assert_alive(plain_steps)
 
 
