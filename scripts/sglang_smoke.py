@@ -17,7 +17,8 @@ captured for batch sizes 1/2/4/8 (``-eager`` modes: ``--cuda-graph-backend-decod
 4. from the engine log (``SGLANG_LOG_DECODE_GRAPH_KEY=1``): with graphs, replays of the target's
    verify graph and (speculative modes) the draft graph, and TEV's draft head folded into the draft
    graph; in ``-eager`` modes no replay at all; ``TEV-auto`` (``SGLANG_TEV_BUDGET=auto`` with a
-   target verify graph per tree-size tier) also the tiers' log line and rounds at two or more widths;
+   target verify graph per tree-size tier) also the tiers' capture line, rounds at two or more widths
+   and graph replays at two or more tree sizes (the worker logs each size's first replay);
 
 and prints tau (SGLang's ``spec_accept_length``: mean tokens per verify round) and tokens/s per
 backend and mode (TEV with graphs beside TEV eager and DFLASH), plus TEV's per-request metrics.
@@ -36,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -184,7 +186,9 @@ def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -
         replays={w: text.count(GRAPH_REPLAY + w) for w in ("target", "draft")},
         tev_head_folded="TEV draft head (per-depth" in text,
         # auto with graphs: the tiers captured, and the widths the rounds ran at
-        tiers_line=next((ln.strip() for ln in text.splitlines() if "target verify graphs at tree sizes" in ln), None),
+        # the worker's capture line (the config's start-up line says only what it will capture)
+        tiers_line=next((ln.strip() for ln in text.splitlines() if "one tier per round width), captured in" in ln), None),
+        tiers_replayed=sorted({int(m.group(1)) for m in re.finditer(r"first replay of the target verify graph at tree size (\d+)", text)}),
         budgets_seen=sorted({b for o in outs + mouts for b in (o["meta_info"].get("tev_budget") or []) if b is not None}),
         log=str(log),
     )
@@ -205,6 +209,7 @@ def graph_checks(r: dict) -> list[tuple[bool, str]]:
     if r["mode"] == "TEV-auto":  # graph tiers: captured, and the rounds' widths changed (budgets are tiers' - 1)
         out.append((r["tiers_line"] is not None, r["tiers_line"] or "no graph tiers captured"))
         out.append((len(r["budgets_seen"]) >= 2, f"round budgets seen {r['budgets_seen']}"))
+        out.append((len(r["tiers_replayed"]) >= 2, f"target graphs replayed at tree sizes {r['tiers_replayed']}"))
     return out
 
 

@@ -455,7 +455,8 @@ def resolve_server_args(
         elif budget_mode != "fixed":
             # the verify width changes every round: auto replays one graph tier per width (graph_tiers);
             # auto-ragged's per-request sizes have no graph (module doc there), nor auto with the tiers off
-            if budget_mode == "auto" and requested != ():
+            if budget_mode == "auto" and requested != () and not (
+                    bool(getattr(sa, "enable_two_batch_overlap", False)) or bool(getattr(sa, "enable_pdmux", False))):
                 sizes = tier_sizes(n, requested)
                 logger.info("TEV: %s=auto captures target verify graphs at tree sizes %s (%s)", ENV_BUDGET,
                             ", ".join(map(str, sizes)), ENV_GRAPH_TREE_SIZES)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import time
 from typing import Iterator, Optional, Sequence
 
@@ -50,23 +51,32 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIER_BUDGETS = (0, 4, 8, 16, 32)
 """Budgets (nodes below the root) of the default tiers; each tier has ``b + 1`` nodes."""
 
+_FEWER_TIERS = ("capture fewer tiers (SGLANG_TEV_GRAPH_TREE_SIZES=1,17 say), none (SGLANG_TEV_GRAPH_TREE_SIZES=off: "
+                "auto runs the decode eagerly), or serve fixed trees (SGLANG_TEV_BUDGET=fixed)")
+
 
 def tier_sizes(tree_size: int, requested: Optional[Sequence[int]] = None) -> tuple[int, ...]:
     """The tree sizes (nodes per request, root included) to capture graphs at.
 
     Args:
-        tree_size: N (``--speculative-num-draft-tokens``), >= 2.
-        requested: ``SGLANG_TEV_GRAPH_TREE_SIZES``'s list, or None for the default
+        tree_size: N (``--speculative-num-draft-tokens``), an integer >= 2.
+        requested: ``SGLANG_TEV_GRAPH_TREE_SIZES``'s integers, or None for the default
             (:data:`DEFAULT_TIER_BUDGETS` + 1 below N).
     Returns:
-        Sorted distinct sizes, always holding 1 (a plain step) and N (SGLang's own runner).
+        Sorted distinct sizes (nodes per request), always holding 1 (a plain step) and N (SGLang's
+        own runner).
     Raises:
-        ValueError naming ``SGLANG_TEV_GRAPH_TREE_SIZES`` for a size outside [1, N].
+        ValueError naming ``tree_size`` (not an integer >= 2), ``requested`` (not integers) or
+        ``SGLANG_TEV_GRAPH_TREE_SIZES`` (a size outside [1, N]).
     """
+    if isinstance(tree_size, bool) or not isinstance(tree_size, numbers.Integral) or tree_size < 2:
+        raise ValueError(f"tree_size must be an integer >= 2 (N, root included), got {tree_size!r}")
     n = int(tree_size)
     if requested is None:
         sizes = {b + 1 for b in DEFAULT_TIER_BUDGETS if b + 1 < n}
     else:
+        if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in requested):
+            raise ValueError(f"requested must be integer tree sizes, got {list(requested)!r}")
         bad = [s for s in requested if not 1 <= int(s) <= n]
         if bad:
             raise ValueError(
@@ -91,14 +101,17 @@ class GraphTiers:
             ``captured_req_width`` and ``attn_backend``), the largest being the runner SGLang
             captured at N (``model_runner.decode_cuda_graph_runner`` at construction).
     Raises:
-        ValueError naming ``runners`` when one's ``captured_req_width`` is not its key, or the
-        largest is not the model runner's own.
+        ValueError naming ``runners`` when it is empty, one lacks ``captured_req_width`` or has
+        another than its key, or the largest is not the model runner's own.
     """
 
     def __init__(self, model_runner, runners: dict) -> None:
+        if not runners:
+            raise ValueError("runners must hold at least SGLang's runner at N, got none")
         for w, r in runners.items():
-            if int(getattr(r, "captured_req_width", w)) != int(w):
-                raise ValueError(f"runners: the runner under tree size {w} was captured at {r.captured_req_width}")
+            width = getattr(r, "captured_req_width", None)
+            if width is None or int(width) != int(w):
+                raise ValueError(f"runners: the runner under tree size {w} was captured at {width}")
         self.model_runner = model_runner
         self.runners = {int(w): r for w, r in runners.items()}
         self.tree_size = max(self.runners)
@@ -106,9 +119,11 @@ class GraphTiers:
         if self.main is not model_runner.decode_cuda_graph_runner:
             raise ValueError(f"runners: the runner under tree size {self.tree_size} (N) must be the model runner's own")
         self.stale = False
+        self._replayed: set[int] = set()
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The tree sizes with a runner (nodes per request), ascending; N last."""
         return tuple(sorted(self.runners))
 
     @property
@@ -117,25 +132,36 @@ class GraphTiers:
         return tuple(w - 1 for w in self.sizes)
 
     def runner_for(self, width: int):
-        """The runner to replay a round of ``width`` tokens per request, or None (the forward runs
-        eagerly). At N, the model runner's current one. When SGLang has replaced that since the
-        tiers were captured (a weight update with ``recapture_cuda_graph``), the tiers' graphs may
-        read freed weights: tiers below N are dropped from then on (eager; said once)."""
+        """The runner to replay a round of ``width`` tokens per request (an int, the round's tree
+        size), or None (the forward runs eagerly). At N, the model runner's current one. When
+        SGLang has replaced that since the tiers were captured (a weight update with
+        ``recapture_cuda_graph``), the tiers' graphs may read freed weights: the tiers below N are
+        released and their rounds run eagerly from then on (said once)."""
         current = self.model_runner.decode_cuda_graph_runner
         if current is not self.main and not self.stale:
             self.stale = True
+            self.runners = {self.tree_size: self.main}  # the tiers' graphs and buffers go
             logger.warning("TEV: SGLang recaptured the target's verify graphs; rounds below N = %d now run eagerly "
                            "(the graph tiers were captured with the old ones)", self.tree_size)
         if int(width) == self.tree_size:
             return current
         return None if self.stale else self.runners.get(int(width))
 
+    def replayed(self, width: int) -> None:
+        """Note that a round of ``width`` replayed its graph (the target forward's
+        ``can_run_cuda_graph``); the first replay at each size is logged (what the GPU smoke test
+        counts)."""
+        if width not in self._replayed:
+            self._replayed.add(int(width))
+            logger.info("TEV: first replay of the target verify graph at tree size %d", width)
+
     @contextlib.contextmanager
     def bound(self, width: int) -> Iterator[object]:
-        """The model runner's ``decode_cuda_graph_runner`` = the runner of ``width`` (None: eager)
-        and its ``attn_backend`` = that runner's backend (unchanged when eager) while the round's
-        target forward runs (SGLang's ``prepare_for_verify`` and ``ModelRunner.forward`` read
-        both), restored after, also on an error. Yields the bound runner."""
+        """The model runner's ``decode_cuda_graph_runner`` = the runner of ``width`` (the round's
+        tree size; None: eager) and its ``attn_backend`` = that runner's backend (unchanged when
+        eager) while the round's target forward runs (SGLang's ``prepare_for_verify`` and
+        ``ModelRunner.forward`` read both). Yields the bound runner; both attributes are restored
+        after, also when the forward raises (the error propagates)."""
         mr = self.model_runner
         saved = mr.decode_cuda_graph_runner, mr.attn_backend
         runner = self.runner_for(width)
@@ -167,6 +193,12 @@ def wanted_tier_sizes(settings, device, environ=None) -> tuple[int, ...]:
     Args:
         settings: the worker's ``TevSettings`` (``budget_mode``, ``tree_size``).
         device: the worker's device (``"cuda"``, ``"cuda:0"``, a ``torch.device``).
+        environ: environment mapping (default ``os.environ``).
+    Returns:
+        The tree sizes to capture (:func:`tier_sizes`), or ``()``.
+    Raises:
+        :class:`~sglang_tev.env.EnvError` for a bad ``SGLANG_TEV_GRAPH_TREE_SIZES``; ValueError
+        for a size above N (``config.validate_server_args`` refuses both at launch already).
     """
     import torch
 
@@ -194,22 +226,31 @@ def build_tier_backends(model_runner, sizes: Sequence[int], tree_size: int) -> d
     because its draft and target verify are both planned within one step). Call after the
     target's pools exist (the spec worker's ``init_attention_backends``).
 
+    SGLang's own start-up also binds its backends to the KV index translator and stamps the
+    backend names on the model runner (``init_attention_backends``); FlashInfer and Triton take the
+    translator in their constructors and the names are the target's already, so neither is
+    repeated here.
+
+    Args:
+        model_runner: the target's ``ModelRunner``.
+        sizes: :func:`wanted_tier_sizes`' (empty: no backends).
+        tree_size: N, whose backend is SGLang's.
     Returns:
-        ``{tree size: backend}`` (N excluded: SGLang's own backend serves it; empty for no sizes).
+        ``{tree size: backend}`` (N excluded; empty for no sizes).
+    Raises:
+        RuntimeError naming the tier and ``SGLANG_TEV_GRAPH_TREE_SIZES`` when a backend cannot be
+        built (SGLang's error chained).
     """
     backends = {}
-    if not sizes:
-        return backends
-    saved = getattr(model_runner, "init_new_workspace", None)
-    try:
-        for w in sizes:
-            if int(w) == int(tree_size):
-                continue
-            with _spec_width(w):
+    for w in sizes:
+        if int(w) == int(tree_size):
+            continue
+        with _spec_width(w):
+            try:
                 backends[int(w)] = model_runner._get_attention_backend()
-    finally:
-        if saved is not None:
-            model_runner.init_new_workspace = saved
+            except Exception as e:
+                raise RuntimeError(f"TEV: building the attention backend of graph tier {w} failed "
+                                   f"({type(e).__name__}: {e}); {_FEWER_TIERS}") from e
     return backends
 
 
@@ -222,8 +263,11 @@ def capture_tiers(model_runner, backends: dict, tree_size: int, served=None, log
     ``decode_cuda_graph_runner`` are bound to the tier's (capture reads them) and restored after.
 
     Args:
+        model_runner: the target's ``ModelRunner``, SGLang's runner at N captured.
         backends: :func:`build_tier_backends`' (empty: nothing to capture).
+        tree_size: N.
         served: the worker's ``ServedBudget``, whose budgets become the tiers' (``use_grid``).
+        log_rank0: log the tiers, their capture time and memory (rank 0 under TP).
     Returns:
         :class:`GraphTiers` over the tiers and SGLang's runner at N, or None when there are no
         tiers or SGLang captured no target graph (graphs off: every round runs eagerly).
@@ -247,11 +291,8 @@ def capture_tiers(model_runner, backends: dict, tree_size: int, served=None, log
                 try:
                     runners[w] = cls(model_runner, attn_backend=backend, speculative_num_draft_tokens=w)
                 except Exception as e:
-                    raise RuntimeError(
-                        f"TEV: capturing the target verify graphs at tree size {w} failed ({type(e).__name__}: {e}); "
-                        "capture fewer tiers (SGLANG_TEV_GRAPH_TREE_SIZES=1,17 say), none "
-                        "(SGLANG_TEV_GRAPH_TREE_SIZES=off: auto runs the decode eagerly), or serve fixed trees "
-                        "(SGLANG_TEV_BUDGET=fixed)") from e
+                    raise RuntimeError(f"TEV: capturing the target verify graphs at tree size {w} failed "
+                                       f"({type(e).__name__}: {e}); {_FEWER_TIERS}") from e
     finally:
         model_runner.attn_backend = saved_backend
         model_runner.decode_cuda_graph_runner = main

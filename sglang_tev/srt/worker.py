@@ -548,6 +548,8 @@ class TEVWorker(DFlashWorkerV2):
                 target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
             else:
                 target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner, pack)
+        if tiers is not None and target_out.can_run_cuda_graph:
+            tiers.replayed(N)
         logits_output: LogitsProcessorOutput = target_out.logits_output
         logits = logits_output.next_token_logits
         target_lp = self._target_logits_processor

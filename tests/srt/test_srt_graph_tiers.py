@@ -35,6 +35,12 @@ def test_tier_sizes_default_requested_and_refused():
     assert G.tier_sizes(17, (17, 3, 3)) == (1, 3, 17)
     with pytest.raises(ValueError, match=r"SGLANG_TEV_GRAPH_TREE_SIZES.*\[1, N = 17\].*\[18\]"):
         G.tier_sizes(17, (5, 18))
+    for bad in (0, 1, 2.0, True, "17"):
+        with pytest.raises(ValueError, match="tree_size must be an integer >= 2"):
+            G.tier_sizes(bad)
+    for bad in (["a"], [True], [5.0]):
+        with pytest.raises(ValueError, match="requested must be integer tree sizes"):
+            G.tier_sizes(17, bad)
 
 
 class _Runner(SimpleNamespace):
@@ -60,6 +66,15 @@ def test_binding_swaps_the_runner_and_its_backend_for_the_round_and_restores_the
         G.GraphTiers(mr, {5: main})
     with pytest.raises(ValueError, match=r"tree size 5 \(N\) must be the model runner's own"):
         G.GraphTiers(mr, {5: r5, 1: _Runner(captured_req_width=1)})
+    with pytest.raises(ValueError, match="runners must hold at least SGLang's runner at N"):
+        G.GraphTiers(mr, {})
+    with pytest.raises(ValueError, match="the runner under tree size 1 was captured at None"):
+        G.GraphTiers(mr, {9: main, 1: _Runner()})
+    with caplog.at_level("INFO", logger=G.__name__):  # each size's first replay is said once (the smoke test counts them)
+        for w in (5, 5, 9, 1, 5):
+            tiers.replayed(w)
+    assert sorted(r.getMessage() for r in caplog.records if "first replay" in r.getMessage()) == [
+        f"TEV: first replay of the target verify graph at tree size {w}" for w in (1, 5, 9)]
     # SGLang recaptured its runner (a weight update): N replays the new one, the tiers below go eager
     new_main = _Runner(captured_req_width=9, attn_backend=b9)
     mr.decode_cuda_graph_runner = new_main
@@ -69,6 +84,7 @@ def test_binding_swaps_the_runner_and_its_backend_for_the_round_and_restores_the
             assert r is None and mr.decode_cuda_graph_runner is None
     assert mr.decode_cuda_graph_runner is new_main
     assert sum("recaptured" in r.getMessage() for r in caplog.records) == 1
+    assert tiers.runners == {9: main}  # the stale tiers' graphs are released
 
 
 @pytest.fixture
@@ -92,10 +108,7 @@ def test_tier_backends_are_built_at_each_tiers_width(widths):
     made = []
 
     class MR:
-        init_new_workspace = False
-
         def _get_attention_backend(self, init_new_workspace=False):
-            self.init_new_workspace = init_new_workspace  # SGLang's builder may leave it set
             made.append((widths["width"], init_new_workspace))
             return SimpleNamespace(width=widths["width"])
 
@@ -103,8 +116,16 @@ def test_tier_backends_are_built_at_each_tiers_width(widths):
     backends = G.build_tier_backends(mr, (1, 5, 9, 17), 17)
     assert sorted(made) == [(1, False), (5, False), (9, False)]  # N's is SGLang's own; the workspace shared
     assert {w: b.width for w, b in backends.items()} == {1: 1, 5: 5, 9: 9}
-    assert mr.init_new_workspace is False and widths["width"] == 65
+    assert widths["width"] == 65
     assert G.build_tier_backends(mr, (), 17) == {}
+
+    class Short(MR):
+        def _get_attention_backend(self, init_new_workspace=False):
+            raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match=r"attention backend of graph tier 1 failed \(RuntimeError: CUDA out of memory\)"
+                                           r".*SGLANG_TEV_GRAPH_TREE_SIZES=off"):
+        G.build_tier_backends(Short(), (1, 17), 17)
 
 
 def test_capture_binds_the_tiers_backend_and_restores_the_runner(widths):
