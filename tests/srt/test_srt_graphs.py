@@ -308,6 +308,7 @@ class TargetGraph:
 
     def __init__(self, model, kv, req_to_token, *, N, V, ctx, buckets):
         self.model, self.kv, self.req_to_token, self.N, self.V = model, kv, req_to_token, N, V
+        self.captured_req_width = N  # SGLang's name for the width it was captured at
         self.capture_bs, self.max_bs = buckets, max(buckets)
         t = self.max_bs * N
         self.input_ids = torch.zeros(t, dtype=torch.int64)
