@@ -455,11 +455,14 @@ def resolve_server_args(
         elif budget_mode != "fixed":
             # the verify width changes every round: auto replays one graph tier per width (graph_tiers);
             # auto-ragged's per-request sizes have no graph (module doc there), nor auto with the tiers off
-            if budget_mode == "auto" and requested != () and not (
-                    bool(getattr(sa, "enable_two_batch_overlap", False)) or bool(getattr(sa, "enable_pdmux", False))):
-                sizes = tier_sizes(n, requested)
-                logger.info("TEV: %s=auto captures target verify graphs at tree sizes %s (%s)", ENV_BUDGET,
-                            ", ".join(map(str, sizes)), ENV_GRAPH_TREE_SIZES)
+            if budget_mode == "auto" and requested != ():
+                if bool(getattr(sa, "enable_two_batch_overlap", False)) or bool(getattr(sa, "enable_pdmux", False)):
+                    # both re-wrap the backends per runner (graph_tiers.wanted_tier_sizes): SGLang's graphs at N only
+                    logger.warning("TEV: %s=auto with two-batch overlap or PD multiplexing captures no graph tiers: "
+                                   "rounds below N = %d run eagerly", ENV_BUDGET, n)
+                else:
+                    logger.info("TEV: %s=auto captures target verify graphs at tree sizes %s (%s)", ENV_BUDGET,
+                                ", ".join(map(str, tier_sizes(n, requested))), ENV_GRAPH_TREE_SIZES)
             else:
                 why = "per-request tree sizes have no CUDA graph" if budget_mode == "auto-ragged" else f"{ENV_GRAPH_TREE_SIZES}=off"
                 logger.warning("TEV: %s=%s runs the decode eagerly (%s)", ENV_BUDGET, budget_mode, why)

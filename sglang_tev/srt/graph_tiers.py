@@ -213,7 +213,7 @@ def wanted_tier_sizes(settings, device, environ=None) -> tuple[int, ...]:
         return ()
     if bool(get_exec().overlap.enable_two_batch_overlap) or bool(get_disagg().enable_pdmux):
         # both re-wrap or re-initialise the model runner's backends per runner: not written for tiers
-        logger.warning("TEV: no graph tiers with two-batch overlap or PD multiplexing: rounds below N run eagerly")
+        # (said at launch by config.resolve_server_args)
         return ()
     return tier_sizes(settings.tree_size, requested)
 

@@ -155,6 +155,14 @@ def test_auto_budget_keeps_graphs_per_tier_and_reaches_the_worker(caplog):
     for bad in ("nine", "0", "1,,3", "-1"):  # "0" is a tree size (refused), not a word for off
         with pytest.raises(ValueError, match="SGLANG_TEV_GRAPH_TREE_SIZES must be auto, off or comma-separated"):
             validate_server_args(args(attention_backend="triton"), environ={"SGLANG_TEV_GRAPH_TREE_SIZES": bad})
+    # two-batch overlap / PD multiplexing: SGLang's graphs at N stay, no tiers (said)
+    for flag in ("enable_two_batch_overlap", "enable_pdmux"):
+        sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig(), **{flag: True})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="sglang_tev.srt.config"):
+            resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ=env)
+        assert sa.cuda_graph_config.decode.backend == "full"
+        assert any("captures no graph tiers: rounds below N = 65 run eagerly" in r.getMessage() for r in caplog.records)
     # auto is the default; fixed keeps SGLang's graphs at N only
     sa = args(attention_backend="triton", cuda_graph_config=_GraphConfig())
     assert resolve_server_args(sa, read_draft_block_size=lambda _: 16, environ={}).budget_mode == "auto"
