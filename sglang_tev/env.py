@@ -192,8 +192,8 @@ def _tree_sizes(raw: str) -> Optional[tuple]:
     try:
         sizes = tuple(int(x) for x in value.split(","))
     except ValueError:
-        raise ValueError(f"must be auto, off or comma-separated tree sizes (integers >= 1), got {raw!r}") from None
-    if any(x < 1 for x in sizes):
+        sizes = (0,)  # not integers: refused below with the same message
+    if min(sizes) < 1:
         raise ValueError(f"must be auto, off or comma-separated tree sizes (integers >= 1), got {raw!r}")
     return sizes
 

@@ -167,8 +167,9 @@ def format_tune(result: dict) -> str:
             how = "plain decoding (no --speculative-algorithm)"
         else:
             # tune timed fixed trees: SGLang's default sizes each round's tree from the load instead
+            env = ["SGLANG_TEV_BUDGET=fixed"] + ([f"SGLANG_TEV_VERIFIER={r['verifier']}"] if r["temperature"] > 0 else [])
             how = (f"--speculative-algorithm TEV --speculative-num-draft-tokens {r['speculative_num_draft_tokens']}"
-                   + "  (SGLANG_TEV_BUDGET=fixed" + (f", SGLANG_TEV_VERIFIER={r['verifier']})" if r["temperature"] > 0 else ")"))
+                   f"  ({', '.join(env)})")
         lines.append(f"batch {r['batch']}, T={r['temperature']:g}: {how}")
     return "\n".join(lines)
 
