@@ -19,6 +19,7 @@ No function here performs a host sync unless its docstring says so.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -335,7 +336,7 @@ def ragged_pack(tree: DraftTree, layout: TreeVerifyLayout, seq_lens: torch.Tenso
 
 
 # ---------------------------------------------------------------------- target law
-def sampling_params_from_info(sampling_info) -> SamplingParams:
+def sampling_params_from_info(sampling_info, reqs=None) -> SamplingParams:
     """This project's :class:`SamplingParams` from SGLang's ``SamplingBatchInfo``.
 
     SGLang normalises a request with temperature 0 to ``top_k = 1, temperature = 1``; rows with
@@ -348,11 +349,26 @@ def sampling_params_from_info(sampling_info) -> SamplingParams:
         sampling_info: an object with ``temperatures [bs, 1]``, ``top_ks [bs]``, ``top_ps [bs]``,
             ``min_ps [bs]``, ``is_all_greedy`` and optionally SGLang's ``need_top_k_sampling`` /
             ``need_top_p_sampling`` / ``need_min_p_sampling`` (a stage no row uses is skipped).
+        reqs: optional, the batch's requests in row order (SGLang's ``Req``, whose host-side
+            ``sampling_params`` the tensors were built from, ``sampling_batch_info.py:133-155``).
+            When every request has the same temperature, top-k, top-p and min-p, the law is
+            returned as scalars: the same law, drawn with fewer operations over the vocabulary and
+            no device read where a host value is needed (the planner's temperature regime).
     Returns:
-        SamplingParams with [bs] tensors, or scalar temperature 0 when every row is greedy.
+        SamplingParams with [bs] tensors; scalars when every row is greedy or, given ``reqs``,
+        when every row has the same parameters.
     """
     if bool(getattr(sampling_info, "is_all_greedy", False)):
         return SamplingParams(temperature=0.0)
+    if reqs:
+        shared = {(r.sampling_params.temperature, r.sampling_params.top_k, r.sampling_params.top_p, r.sampling_params.min_p)
+                  for r in reqs}
+        if len(shared) == 1:
+            t, k, p, m = shared.pop()
+            if k <= 1:
+                return SamplingParams(temperature=0.0)
+            # SGLang's tensors hold float32: the same values, so the same law bit for bit
+            return SamplingParams(temperature=_f32(t), top_k=0 if k >= TOP_K_ALL else int(k), top_p=_f32(p), min_p=_f32(m))
     top_ks = sampling_info.top_ks.view(-1).to(torch.int64)
     temps = sampling_info.temperatures.view(-1).to(torch.float32)
     greedy = top_ks <= 1
@@ -366,6 +382,11 @@ def sampling_params_from_info(sampling_info) -> SamplingParams:
         top_p=sampling_info.top_ps.view(-1).to(torch.float32) if getattr(sampling_info, "need_top_p_sampling", True) else 1.0,
         min_p=sampling_info.min_ps.view(-1).to(torch.float32) if getattr(sampling_info, "need_min_p_sampling", True) else 0.0,
     )
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as a Python float."""
+    return struct.unpack("f", struct.pack("f", float(x)))[0]
 
 
 def seeded_uniforms(seeds: torch.Tensor, seq_lens: torch.Tensor, count: int) -> torch.Tensor:

@@ -72,6 +72,7 @@ from ..tree import root_only_tree
 from ..verify import num_uniforms
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
+from .draft_kv import install_context_kv_writer
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
@@ -156,10 +157,8 @@ class TEVWorker(DFlashWorkerV2):
         self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
         self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=self.block_size, device=self.device)
         self.speculative_num_draft_tokens = self.tev.tree_size
-        # DFlash's fused draft-KV writer is sized at construction (with N); use the per-layer
-        # prefix-valid writer, which takes any window width
-        self._use_fused_kv_materialize = False
-        self._fused_kv_helper = None
+        # the drafter's context KV of every layer at once (draft_kv.py; SGLang's per-layer path otherwise)
+        kv_writer = install_context_kv_writer(self)
         # identical seeds on every TP rank, so ranks draw identical uniforms
         self._tev_generator = torch.Generator(device=self.device)
         self._tev_generator.manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
@@ -198,7 +197,7 @@ class TEVWorker(DFlashWorkerV2):
             else None
         )
         if get_parallel().tp_rank == 0:
-            logger.info("TEV worker: %s", self.tev)
+            logger.info("TEV worker: %s; drafter context KV: %s", self.tev, kv_writer)
             if self._tev_draft.selector_top_k and self._tev_draft.mode == "marginal":
                 # asked for (SGLANG_TEV_DFLASH2_MODE=marginal), but never silent: the selector is unused
                 logger.warning("TEV DFlash2 drafter: %s", self._tev_draft.describe())
@@ -519,7 +518,7 @@ class TEVWorker(DFlashWorkerV2):
             tree = build_trees(logq, ids, budget, roots, self.tev.max_depth, depth_cap=caps)
             drafted = (logq, ids)
         sampling_info = batch.sampling_info
-        sampling = sampling_params_from_info(sampling_info)  # this round's target law, per request
+        sampling = sampling_params_from_info(sampling_info, batch.reqs)  # this round's target law (scalars when shared)
         if served is not None and drafted is not None:
             round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(sampling, bs))
         N = tree.num_nodes  # this round's width: the capacity with a fixed budget

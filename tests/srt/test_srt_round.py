@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -467,6 +468,51 @@ def test_sampling_info_law_equals_sampling_params_law():
     # all greedy -> a scalar 0 temperature, i.e. the argmax-follow path
     info.is_all_greedy = True
     assert sampling_params_from_info(info).temperature == 0.0
+
+
+@needs_sglang
+def test_requests_sharing_their_law_give_scalars_with_the_same_law():
+    """Given the batch's requests, a law every request shares comes back as scalars (the verifier's
+    short path, no device read for the planner's regime) and equals the per-row tensors' law;
+    requests with different laws keep the tensors."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.sampling.sampling_params import SamplingParams as SglParams
+
+    from sglang_tev.tree import root_only_tree
+
+    V, bs = 32, 3
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(bs, 2, V, generator=g) * 3
+
+    def batch(params):
+        reqs = []
+        for t, k, p, m in params:
+            s = SglParams(temperature=t, top_k=k, top_p=p, min_p=m)
+            s.normalize(None)
+            reqs.append(SimpleNamespace(sampling_params=s))
+        sp = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo(
+            temperatures=torch.tensor([[s.temperature] for s in sp]), top_ps=torch.tensor([s.top_p for s in sp]),
+            top_ks=torch.tensor([s.top_k for s in sp], dtype=torch.int32), min_ps=torch.tensor([s.min_p for s in sp]),
+            is_all_greedy=all(s.top_k <= 1 for s in sp), is_any_greedy=any(s.top_k <= 1 for s in sp),
+            need_top_p_sampling=True, need_top_k_sampling=True, need_min_p_sampling=True, vocab_size=V, device="cpu")
+        return info, reqs
+
+    for law in [(0.7, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (1.3, 8, 0.8, 0.1), (0.5, 5, 1.0, 0.2), (0.0, -1, 1.0, 0.0)]:
+        info, reqs = batch([law] * bs)
+        scalars, rows = sampling_params_from_info(info, reqs), sampling_params_from_info(info)
+        assert not any(torch.is_tensor(getattr(scalars, f)) for f in ("temperature", "top_k", "top_p", "min_p")), law
+        torch.testing.assert_close(processed_probs(logits, scalars), processed_probs(logits, rows), rtol=1e-6, atol=1e-7)
+        if law[0] == 0.7:  # the verifier's short path for a plain step: the same draws
+            tree, u = root_only_tree(torch.zeros(bs, dtype=torch.int64)), torch.rand(bs, 2, generator=g, dtype=torch.float64)
+            a = verify_tree(tree, logits[:, :1], "tev", scalars, uniforms=u)
+            b = verify_tree(tree, logits[:, :1], "tev", rows, uniforms=u)
+            assert torch.equal(a.bonus, b.bonus)
+    assert sampling_params_from_info(*batch([(0.0, -1, 1.0, 0.0)] * bs)).temperature == 0.0
+    mixed_info, mixed = batch([(0.7, -1, 1.0, 0.0), (0.7, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0)])
+    got = sampling_params_from_info(mixed_info, mixed)
+    assert torch.is_tensor(got.temperature) and torch.is_tensor(got.top_k)
+    assert sampling_params_from_info(mixed_info, []).temperature is not None  # no requests: the tensors
 
 
 @needs_sglang

@@ -218,7 +218,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         seq_lens=seq.clone(), seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()), req_pool_indices=pool_idx,
         spec_info=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=seq.clone()), sampling_info=greedy,
         forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False), is_extend_in_batch=False,
-        has_grammar=False, return_logprob=False, out_cache_loc=None,
+        has_grammar=False, return_logprob=False, out_cache_loc=None, reqs=[],  # greedy: the requests' laws are not read
     )  # fmt: skip
     seen = {}
     accepts = []
