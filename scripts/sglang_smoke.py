@@ -18,7 +18,8 @@ captured for batch sizes 1/2/4/8 (``-eager`` modes: ``--cuda-graph-backend-decod
    verify graph and (speculative modes) the draft graph, and TEV's draft head folded into the draft
    graph; in ``-eager`` modes no replay at all; ``TEV-auto`` (``SGLANG_TEV_BUDGET=auto`` with a
    target verify graph per tree-size tier) also the tiers' capture line, rounds at two or more widths
-   and graph replays at two or more tree sizes (the worker logs each size's first replay);
+   and graph replays at two or more tree sizes (the worker logs each size's first replay); in
+   every TEV mode, the drafter's context KV written by SGLang's fused Triton writer (``draft_kv.py``);
 
 and prints tau (SGLang's ``spec_accept_length``: mean tokens per verify round) and tokens/s per
 backend and mode (TEV with graphs beside TEV eager and DFLASH), plus TEV's per-request metrics.
@@ -185,6 +186,8 @@ def run_mode(spec: str, backend: str, args, prompts: list[str], log_dir: Path) -
         tev_meta_example={k: v for k, v in mouts[0]["meta_info"].items() if "tev_" in k or k == "customized_info"},
         replays={w: text.count(GRAPH_REPLAY + w) for w in ("target", "draft")},
         tev_head_folded="TEV draft head (per-depth" in text,
+        # the worker's start-up line: which writer fills the drafter's context KV (srt/draft_kv.py)
+        kv_writer=next((ln.split("drafter context KV: ", 1)[1].strip() for ln in text.splitlines() if "drafter context KV: " in ln), None),
         # auto with graphs: the tiers captured, and the widths the rounds ran at
         # the worker's capture line (the config's start-up line says only what it will capture)
         tiers_line=next((ln.strip() for ln in text.splitlines() if "one tier per round width), captured in" in ln), None),
@@ -199,9 +202,13 @@ def graph_checks(r: dict) -> list[tuple[bool, str]]:
     draft graph), none without."""
     name, _ = parse_mode(r["mode"])
     target, draft = r["replays"]["target"], r["replays"]["draft"]
+    out = []
+    if name == "TEV":  # on CUDA the drafter's context KV goes through SGLang's fused Triton writer
+        writer = r.get("kv_writer")
+        out.append((bool(writer) and writer.startswith("stacked (SGLang's fused"), f"drafter context KV: {writer}"))
     if not r["graphs"]:
-        return [(target == 0 and draft == 0, f"eager (replays: target {target}, draft {draft})")]
-    out = [(target > 0, f"target graph replays {target}")]
+        return out + [(target == 0 and draft == 0, f"eager (replays: target {target}, draft {draft})")]
+    out.append((target > 0, f"target graph replays {target}"))
     if name != "none":
         out.append((draft > 0, f"draft graph replays {draft}"))
     if name == "TEV":

@@ -103,3 +103,28 @@ def test_stacked_context_kv_equals_sglangs_per_layer_path_and_its_triton_kernel(
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_smoke_script_requires_the_fused_writer_in_every_tev_mode():
+    """``scripts/sglang_smoke.py`` (the GPU check) fails a TEV mode whose worker did not log SGLang's
+    fused writer for the drafter's context KV, with graphs or without; other modes are not asked."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts/sglang_smoke.py"
+    spec = importlib.util.spec_from_file_location("sglang_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    fused = "stacked (SGLang's fused Triton norm + RoPE)"
+
+    def result(mode, writer, graphs):
+        return dict(mode=mode, graphs=graphs, kv_writer=writer, replays={"target": 3 * graphs, "draft": 3 * graphs},
+                    tev_head_folded=True, tiers_line="x", budgets_seen=[0, 4], tiers_replayed=[1, 5])
+
+    for mode, graphs in (("TEV", True), ("TEV-eager", False), ("TEV-auto", True), ("TEV-auto-eager", False)):
+        assert all(ok for ok, _ in smoke.graph_checks(result(mode, fused, graphs))), mode
+        for bad in (None, "stacked (torch)", "per-layer (SGLang's path; ...)"):
+            checks = smoke.graph_checks(result(mode, bad, graphs))
+            assert [msg for ok, msg in checks if not ok] == [f"drafter context KV: {bad}"], (mode, bad)
+    assert all(ok for ok, _ in smoke.graph_checks(result("DFLASH", None, True)))
+    assert all(ok for ok, _ in smoke.graph_checks(result("none-eager", None, False)))
