@@ -121,14 +121,15 @@ def _host_seq_lens(batch) -> tuple[torch.Tensor, int]:
     return seq_lens_cpu, int(seq_lens_sum) if seq_lens_sum is not None else int(seq_lens_cpu.sum())
 
 
-def _row_temperatures(sampling, bs: int) -> list[float]:
-    """Per request, its temperature for the planner's calibration regime, from the round's
-    :func:`sampling_params_from_info` (0 = greedy: SGLang stores a greedy request as top_k = 1,
-    temperature = 1)."""
+def _row_temperatures(sampling, reqs) -> list[float]:
+    """Per request, its temperature for the planner's calibration regime (0 = greedy: SGLang
+    stores a greedy request as top_k = 1, temperature = 1), read on the host: from the round's
+    scalar :func:`sampling_params_from_info`, else from the requests' own sampling params (the
+    per-row tensors were built from them; reading the tensors would be a device read a round)."""
     t = sampling.temperature
     if not torch.is_tensor(t):
-        return [float(t)] * bs
-    return [float(x) for x in t.view(-1).tolist()]
+        return [float(t)] * len(reqs)
+    return [0.0 if r.sampling_params.top_k <= 1 else float(r.sampling_params.temperature) for r in reqs]
 
 
 class TEVWorker(DFlashWorkerV2):
@@ -520,7 +521,7 @@ class TEVWorker(DFlashWorkerV2):
         sampling_info = batch.sampling_info
         sampling = sampling_params_from_info(sampling_info, batch.reqs)  # this round's target law (scalars when shared)
         if served is not None and drafted is not None:
-            round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(sampling, bs))
+            round_plan, tree = served.refine(round_plan, tree, drafted, _row_temperatures(sampling, batch.reqs))
         N = tree.num_nodes  # this round's width: the capacity with a fixed budget
         tiers = self._graph_tiers  # auto on CUDA: the round's width replays its tier (None: eagerly)
         graph_runner = tiers.runner_for(N) if tiers is not None else getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)

@@ -521,7 +521,8 @@ def _run_worker(monkeypatch, graphs: bool, tiers: bool = False):
         seq_lens=seq.clone(), seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()), req_pool_indices=pool_idx,
         spec_info=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=seq.clone()), sampling_info=greedy,
         forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False), is_extend_in_batch=False,
-        has_grammar=False, return_logprob=False, out_cache_loc=None, reqs=[],  # greedy: the requests' laws are not read
+        has_grammar=False, return_logprob=False, out_cache_loc=None,
+        reqs=[SimpleNamespace(sampling_params=SimpleNamespace(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0))] * bs,  # greedy, as SGLang stores it
     )  # fmt: skip
     rounds, widths = [], []
     ptrs = (head.logq.data_ptr(), head.ids.data_ptr()) if head is not None else None

@@ -218,7 +218,8 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         seq_lens=seq.clone(), seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()), req_pool_indices=pool_idx,
         spec_info=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=seq.clone()), sampling_info=greedy,
         forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False), is_extend_in_batch=False,
-        has_grammar=False, return_logprob=False, out_cache_loc=None, reqs=[],  # greedy: the requests' laws are not read
+        has_grammar=False, return_logprob=False, out_cache_loc=None,
+        reqs=[SimpleNamespace(sampling_params=SimpleNamespace(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0))] * bs,  # greedy, as SGLang stores it
     )  # fmt: skip
     seen = {}
     accepts = []
@@ -292,3 +293,22 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         else:
             assert w._plan_store is None
     assert sum(accepts) / len(accepts) >= 1.5
+
+
+def test_row_temperatures_are_read_on_the_host():
+    """The planner's temperature regime per request: from scalar sampling params, or from the
+    requests' own params (never from the per-row device tensors); greedy (top_k <= 1) is 0."""
+    from sglang_tev.sampling import SamplingParams
+    from sglang_tev.srt.worker import _row_temperatures
+
+    req = lambda t, k: SimpleNamespace(sampling_params=SimpleNamespace(temperature=t, top_k=k))  # noqa: E731
+    reqs = [req(0.7, 1 << 30), req(1.0, 1), req(1.3, 8)]
+    assert _row_temperatures(SamplingParams(temperature=0.0), reqs) == [0.0, 0.0, 0.0]
+    assert _row_temperatures(SamplingParams(temperature=0.75), reqs) == [0.75] * 3
+
+    class NoRead(torch.Tensor):  # a tensor whose values must not be read
+        def tolist(self):
+            raise AssertionError("the per-row temperatures were read from the device tensor")
+
+    tensors = SamplingParams(temperature=torch.tensor([0.7, 0.0, 1.3]).as_subclass(NoRead))
+    assert _row_temperatures(tensors, reqs) == [0.7, 0.0, 1.3]
