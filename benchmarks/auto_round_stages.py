@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.output is not None:
         from sglang_tev.atomic import atomic_write
 
-        atomic_write(args.output, json.dumps({"command": " ".join([sys.executable, *sys.argv]), "machine": machine_info(),
+        atomic_write(args.output, json.dumps({"command": " ".join([sys.executable, *sys.argv]), "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers", "torch_threads"),
                                         "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
                                         "batch_size": args.batch_size, "temperature": args.temperature,
                                         "max_new_tokens": args.max_new_tokens, "runs": runs}, indent=1) + "\n")

@@ -163,7 +163,7 @@ def main(argv=None) -> int:
         from sglang_tev.machine import machine_info
 
         Path(args.output).write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                                 "machine": machine_info(), "args": vars(args), "rows": rows}, indent=1))
+                                                 "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers", "torch_threads"), "args": vars(args), "rows": rows}, indent=1))
     return 0
 
 
