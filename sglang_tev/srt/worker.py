@@ -10,7 +10,8 @@ Reused from ``DFlashWorkerV2`` unchanged: construction (draft runner, mask token
 memory pools, attention backends, the draft runner's CUDA graphs, the prefill branch (target
 prefill with auxiliary hidden capture + draft-KV materialisation), the idle branch,
 ``DFlashDraftInputV2`` (KV over-allocation in ``prepare_for_decode``, filter/merge), the
-prefix-valid draft-KV writer and SGLang's verify logit adjustments (logit bias; penalties are
+prefix-valid draft-KV writer (fed every draft layer's K/V at once: ``draft_kv.py``, SGLang's fused
+Triton writer on CUDA) and SGLang's verify logit adjustments (logit bias; penalties are
 applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the decode round, as
 
     draft block [root, MASK x (K-1)] -> draft hidden -> per-depth top-k + logsumexp
