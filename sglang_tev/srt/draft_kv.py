@@ -41,6 +41,7 @@ def stacked_kv_refusal(draft_model) -> Optional[str]:
     The conditions are those of SGLang's fused path (``DFlashWorkerV2._init_fused_kv_helper``,
     ``dflash_worker_v2.py:1000-1094``) plus what the torch stages assume: a plain RMSNorm on K.
     """
+    from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.speculative.dflash_utils import can_dflash_use_fused_qkv_proj
 
     layers = list(getattr(draft_model, "layers", []))
@@ -73,8 +74,9 @@ def stacked_kv_refusal(draft_model) -> Optional[str]:
         ):
             return f"layer {i}: its RoPE table differs from layer 0's"
         norm = attn.k_norm
-        if getattr(norm, "variance_size_override", None) is not None or getattr(norm, "cast_x_before_out_mul", False):
-            return f"layer {i}: the K norm is not a plain RMSNorm"
+        if type(norm) is not RMSNorm or getattr(norm, "variance_size_override", None) is not None or getattr(
+                norm, "cast_x_before_out_mul", False):
+            return f"layer {i}: the K norm ({type(norm).__name__}) is not a plain RMSNorm"
     return None
 
 
@@ -111,6 +113,16 @@ class TorchStackedKV:
             (k, v), each [L, T, kv_heads, head_dim] in ``ctx_hidden``'s dtype.
         """
         t, L, h, d = ctx_hidden.shape[0], self.n_layers, self.num_kv_heads, self.head_dim
+        if t == 0:
+            empty = ctx_hidden.new_empty((L, 0, h, d))
+            return empty, empty
+        table = self.rotary_emb.cos_sin_cache
+        if int(positions.max()) >= table.shape[0]:
+            # SGLang's RoPE grows its table on demand (its fused helper does the same)
+            grow = getattr(self.rotary_emb, "_ensure_cos_sin_cache_length", None)
+            if grow is None:
+                raise IndexError(f"position {int(positions.max())} is past the RoPE table ({table.shape[0]} positions)")
+            grow(int(positions.max()))
         proj = torch.mm(ctx_hidden.to(self.weight_t.dtype), self.weight_t)  # [T, L * 2 * h * d]
         kv = proj.view(t, L, 2, h, d).permute(2, 1, 0, 3, 4).contiguous()  # [2, L, T, h, d], layer-major
         k, v = kv[0], kv[1]
@@ -148,16 +160,22 @@ def install_context_kv_writer(worker) -> str:
     per-layer path for good if the writer raises."""
     from sglang.srt.utils import is_cuda, is_hip, is_xpu
 
+    built = getattr(worker, "_fused_kv_helper", None)  # SGLang's __init__ builds its own on CUDA
     worker._use_fused_kv_materialize, worker._fused_kv_helper = False, None
     refusal = stacked_kv_refusal(worker.draft_model)
     if refusal is not None:
         return f"per-layer (SGLang's path; the stacked writer does not fit: {refusal})"
     if is_cuda() or is_hip() or is_xpu():
         worker._use_fused_kv_materialize = True
-        worker._init_fused_kv_helper()  # SGLang's own checks again; it logs and disables on any failure
+        worker._fused_kv_helper = built
+        if built is None:
+            worker._init_fused_kv_helper()  # SGLang's own checks; it logs and disables on any failure
         if worker._fused_kv_helper is not None:
             return "stacked (SGLang's fused Triton norm + RoPE)"
         return "per-layer (SGLang's path; its fused helper refused, see above)"
+    if torch.device(getattr(worker, "device", "cpu")).type != "cpu":
+        # other accelerators (NPU, ...) keep SGLang's per-layer path, which has their branches
+        return f"per-layer (SGLang's path on {torch.device(worker.device).type})"
     worker._fused_kv_helper = TorchStackedKV(worker.draft_model.layers)
     worker._use_fused_kv_materialize = True
     return "stacked (torch)"

@@ -44,6 +44,7 @@ __all__ = [
     "RaggedPack",
     "ragged_pack",
     "sampling_params_from_info",
+    "as_float32",
     "verify_batch",
     "seeded_uniforms",
     "adopt_rank0_decision",
@@ -367,8 +368,10 @@ def sampling_params_from_info(sampling_info, reqs=None) -> SamplingParams:
             t, k, p, m = shared.pop()
             if k <= 1:
                 return SamplingParams(temperature=0.0)
-            # SGLang's tensors hold float32: the same values, so the same law bit for bit
-            return SamplingParams(temperature=_f32(t), top_k=0 if k >= TOP_K_ALL else int(k), top_p=_f32(p), min_p=_f32(m))
+            # the float32 values SGLang's tensors hold: the same law (stages the scalars skip
+            # were no-ops in the tensors, up to their renormalising rounding)
+            return SamplingParams(temperature=as_float32(t), top_k=0 if k >= TOP_K_ALL else int(k), top_p=as_float32(p),
+                                  min_p=as_float32(m))
     top_ks = sampling_info.top_ks.view(-1).to(torch.int64)
     temps = sampling_info.temperatures.view(-1).to(torch.float32)
     greedy = top_ks <= 1
@@ -384,8 +387,8 @@ def sampling_params_from_info(sampling_info, reqs=None) -> SamplingParams:
     )
 
 
-def _f32(x: float) -> float:
-    """``x`` rounded to float32, as a Python float."""
+def as_float32(x: float) -> float:
+    """``x`` rounded to float32 (what SGLang's sampling tensors hold), as a Python float."""
     return struct.unpack("f", struct.pack("f", float(x)))[0]
 
 

@@ -90,6 +90,7 @@ from .round import (
     ragged_pack,
     request_depth_caps,
     sampling_params_from_info,
+    as_float32,
     seeded_uniforms,
     tree_verify_layout,
     verify_batch,
@@ -130,7 +131,7 @@ def _row_temperatures(sampling, reqs) -> list[float]:
     t = sampling.temperature
     if not torch.is_tensor(t):
         return [float(t)] * len(reqs)
-    return [0.0 if r.sampling_params.top_k <= 1 else float(r.sampling_params.temperature) for r in reqs]
+    return [0.0 if r.sampling_params.top_k <= 1 else as_float32(r.sampling_params.temperature) for r in reqs]
 
 
 class TEVWorker(DFlashWorkerV2):

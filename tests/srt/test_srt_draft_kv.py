@@ -49,6 +49,7 @@ def layer(rotary_dim=d, bias=False, k_scale=None):
 
 
 A = sg.DFlashAttention
+from sglang.kernels.ops.speculative.fused_kv_materialize import _fused_norm_rope_stacked
 pos = torch.tensor([0, 1, 5, 9, 100, 200, 511])
 x = torch.randn(7, hidden, generator=g).to(torch.bfloat16)
 for rd in (d, d // 2):  # full and partial rotary
@@ -71,23 +72,26 @@ for rd in (d, d // 2):  # full and partial rotary
     assert [i for i, _, _ in seen] == [0, 1, 2] and all(torch.equal(kk, k[i]) and torch.equal(vv, v[i]) for i, kk, vv in seen)
     st.materialize(ctx_hidden=x[:0], positions=pos[:0], write_layer_kv=lambda *a: seen.append(a))
     assert len(seen) == 3  # no tokens: no writes
+    assert st.kv(x[:0], pos[:0])[0].shape == (3, 0, kvh, d)
+    # SGLang's fused Triton norm + RoPE (the CUDA writer) under the interpreter: within one bf16 step
+    kt, vt = _fused_norm_rope_stacked(proj.view(7, 3, -1), st.k_norm_weight.view(3, d), st.eps.view(3),
+                                      layers[0].self_attn.rotary_emb.cos_sin_cache, pos, kvh, d, rd)
+    assert torch.equal(vt, v)
+    assert torch.allclose(kt.float(), k.float(), atol=2e-2, rtol=1e-2), (rd, (kt.float() - k.float()).abs().max().item())
 
-# SGLang's fused Triton norm + RoPE (the CUDA writer) under the interpreter: within one bf16 step
-from sglang.kernels.ops.speculative.fused_kv_materialize import _fused_norm_rope_stacked
-
-kt, vt = _fused_norm_rope_stacked(proj.view(7, 3, -1), st.k_norm_weight.view(3, d), st.eps.view(3),
-                                  layers[0].self_attn.rotary_emb.cos_sin_cache, pos, kvh, d, d // 2)
-assert torch.equal(vt, v)
-assert torch.allclose(kt.float(), k.float(), atol=2e-2, rtol=1e-2), (kt.float() - k.float()).abs().max().item()
 
 # refusals name the layer and the reason; the worker then keeps SGLang's per-layer path
 assert "bias" in stacked_kv_refusal(types.SimpleNamespace(layers=[layer(), layer(bias=True)]))
 assert stacked_kv_refusal(types.SimpleNamespace(layers=[layer(), layer(k_scale=0.5)])).startswith("layer 1: k_scale")
 assert "differ" in stacked_kv_refusal(types.SimpleNamespace(layers=[layer(), layer(d // 2)]))
 assert "no layers" in stacked_kv_refusal(types.SimpleNamespace(layers=[]))
+from sglang.srt.layers.layernorm import GemmaRMSNorm
+gemma = layer()
+gemma.self_attn.k_norm = GemmaRMSNorm(d, eps=1e-6)
+assert "GemmaRMSNorm" in stacked_kv_refusal(types.SimpleNamespace(layers=[layer(), gemma]))
 assert "supports_fused_context_kv" in stacked_kv_refusal(types.SimpleNamespace(layers=[layer()], supports_fused_context_kv=False))
 
-worker = types.SimpleNamespace(draft_model=types.SimpleNamespace(layers=[layer(), layer()]))
+worker = types.SimpleNamespace(draft_model=types.SimpleNamespace(layers=[layer(), layer()]), device="cpu")
 assert install_context_kv_writer(worker) == "stacked (torch)"
 assert worker._use_fused_kv_materialize and isinstance(worker._fused_kv_helper, TorchStackedKV)
 worker = types.SimpleNamespace(draft_model=types.SimpleNamespace(layers=[layer(bias=True)]),

@@ -299,9 +299,11 @@ def test_row_temperatures_are_read_on_the_host():
     """The planner's temperature regime per request: from scalar sampling params, or from the
     requests' own params (never from the per-row device tensors); greedy (top_k <= 1) is 0."""
     from sglang_tev.sampling import SamplingParams
+    from sglang_tev.planner import regime_of
+    from sglang_tev.srt.round import as_float32, sampling_params_from_info
     from sglang_tev.srt.worker import _row_temperatures
 
-    req = lambda t, k: SimpleNamespace(sampling_params=SimpleNamespace(temperature=t, top_k=k))  # noqa: E731
+    req = lambda t, k: SimpleNamespace(sampling_params=SimpleNamespace(temperature=t, top_k=k, top_p=1.0, min_p=0.0))  # noqa: E731
     reqs = [req(0.7, 1 << 30), req(1.0, 1), req(1.3, 8)]
     assert _row_temperatures(SamplingParams(temperature=0.0), reqs) == [0.0, 0.0, 0.0]
     assert _row_temperatures(SamplingParams(temperature=0.75), reqs) == [0.75] * 3
@@ -311,4 +313,9 @@ def test_row_temperatures_are_read_on_the_host():
             raise AssertionError("the per-row temperatures were read from the device tensor")
 
     tensors = SamplingParams(temperature=torch.tensor([0.7, 0.0, 1.3]).as_subclass(NoRead))
-    assert _row_temperatures(tensors, reqs) == [0.7, 0.0, 1.3]
+    assert _row_temperatures(tensors, reqs) == [as_float32(0.7), 0.0, as_float32(1.3)]
+    # a request's regime is the same alone (scalars) and in a mixed batch: both float32, as SGLang stores it
+    for t in (0.15, 0.45, 0.65, 0.85, 0.7):
+        shared = sampling_params_from_info(SimpleNamespace(is_all_greedy=False), [req(t, 1 << 30)] * 2)
+        assert regime_of(_row_temperatures(shared, [req(t, 1 << 30)])[0]) == regime_of(
+            _row_temperatures(tensors, [req(t, 1 << 30), req(1.0, 1), req(1.3, 8)])[0]), t
