@@ -86,14 +86,22 @@ class TorchStackedKV:
     Args:
         layers: the draft model's decoder layers (``layer.self_attn`` a ``DFlashAttention``), accepted
             by :func:`stacked_kv_refusal`.
+        max_position: the largest position it will see (the target's context plus a block); the
+            RoPE table is grown to it once. A position past the table raises ``IndexError`` (SGLang
+            then keeps its per-layer path for good).
     Attributes:
         weight_t: [hidden, L * 2 * kv_size], the layers' K/V rows of ``qkv_proj`` stacked, transposed.
         k_norm_weight: [L, 1, 1, head_dim]; eps: float32 [L, 1, 1, 1].
     """
 
-    def __init__(self, layers) -> None:
+    def __init__(self, layers, max_position: int | None = None) -> None:
         attns = [layer.self_attn for layer in layers]
         a0 = attns[0]
+        grow = getattr(a0.rotary_emb, "_ensure_cos_sin_cache_length", None)
+        if max_position is not None and grow is not None and a0.rotary_emb.cos_sin_cache.shape[0] <= max_position:
+            # once, here: a per-call check would read the positions on the host every round
+            # (SGLang's fused helper sizes its table the same way, from context + block)
+            grow(int(max_position))
         self.n_layers, self.num_kv_heads, self.head_dim = len(attns), int(a0.num_kv_heads), int(a0.head_dim)
         self.rotary_emb = a0.rotary_emb
         self.rotary_dim = int(getattr(self.rotary_emb, "rotary_dim", self.head_dim))
@@ -116,13 +124,6 @@ class TorchStackedKV:
         if t == 0:
             empty = ctx_hidden.new_empty((L, 0, h, d))
             return empty, empty
-        table = self.rotary_emb.cos_sin_cache
-        if int(positions.max()) >= table.shape[0]:
-            # SGLang's RoPE grows its table on demand (its fused helper does the same)
-            grow = getattr(self.rotary_emb, "_ensure_cos_sin_cache_length", None)
-            if grow is None:
-                raise IndexError(f"position {int(positions.max())} is past the RoPE table ({table.shape[0]} positions)")
-            grow(int(positions.max()))
         proj = torch.mm(ctx_hidden.to(self.weight_t.dtype), self.weight_t)  # [T, L * 2 * h * d]
         kv = proj.view(t, L, 2, h, d).permute(2, 1, 0, 3, 4).contiguous()  # [2, L, T, h, d], layer-major
         k, v = kv[0], kv[1]
@@ -176,6 +177,10 @@ def install_context_kv_writer(worker) -> str:
     if torch.device(getattr(worker, "device", "cpu")).type != "cpu":
         # other accelerators (NPU, ...) keep SGLang's per-layer path, which has their branches
         return f"per-layer (SGLang's path on {torch.device(worker.device).type})"
-    worker._fused_kv_helper = TorchStackedKV(worker.draft_model.layers)
+    try:
+        max_position = int(worker.target_worker.model_runner.model_config.context_len) + int(worker.block_size)
+    except AttributeError:
+        max_position = None
+    worker._fused_kv_helper = TorchStackedKV(worker.draft_model.layers, max_position)
     worker._use_fused_kv_materialize = True
     return "stacked (torch)"
