@@ -52,6 +52,7 @@ MODES = {
     "plain": ("plain", None, {}),
     "dflash": ("dflash", None, {}),
     "tev17": ("tev", 17, {"SGLANG_TEV_BUDGET": "fixed"}),
+    "tev33": ("tev", 33, {"SGLANG_TEV_BUDGET": "fixed"}),
     "tev65": ("tev", 65, {"SGLANG_TEV_BUDGET": "fixed"}),
     "auto65": ("tev", 65, {"SGLANG_TEV_BUDGET": "auto"}),
     "auto17": ("tev", 17, {"SGLANG_TEV_BUDGET": "auto"}),

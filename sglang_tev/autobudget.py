@@ -355,8 +355,12 @@ class BudgetController:
           block every other probe meanwhile, while the gains the trees' rounds re-observe went
           stale (measured on the shipped pair: 512 rounds plain, 12 % below the trees); an up
           probe over that loss is left out too;
-        * down (costs): the next smaller tree than the choice (its gain is known from every round
-          of the choice; its cost is only estimated until timed)."""
+        * down (costs): a tree whose cost is provisional (:meth:`CostTable.provisional`: restored
+          from a plan cache, or timed only cold) while one's probe would lose at most
+          ``stale_loss`` times ``2 * regime_margin`` of the choice's round, the cheapest such
+          probe first (a cold or foreign cost never re-timed holds the fit, and with it every
+          budget's cost, where it was; the up probe re-times its own); else the next smaller tree than the choice (its gain is
+          known from every round of the choice; its cost is only estimated until timed)."""
         tree = best if best > 0 else self.best_tree(batch)
         bigger = [b for b in self.grid if b > tree]
         smaller = [b for b in self.grid if 0 < b < best]
@@ -374,6 +378,12 @@ class BudgetController:
                 up = up if up is None or cheap(up) else None
             across = min(timed, key=lambda b: self.costs.last.get((batch, b), -1))
         down = smaller[-1] if smaller else None
+        if best > 0 and self.rate(batch, best) is not None:
+            cap = self.stale_loss * 2 * self.regime_margin * self.costs.cost(batch, best)
+            cold = [(loss, b) for b in self.grid if b > 0 and b not in (best, up) and self.costs.provisional(batch, b)
+                    and self.rate(batch, b) is not None and (loss := self.probe_loss(batch, b, best)) <= cap]
+            if cold:
+                down = min(cold)[1]
         return up, across, down
 
     def next_probe(self, batch: int, best: int) -> int | None:

@@ -46,6 +46,18 @@ class CostTable:
     node, less than the noise of one budget's rounds), while a GPU's flat-then-rising cost keeps
     its shape.
 
+    Provisional costs. A pair's first round in a process allocates its shapes (and builds CPU
+    kernels for them), the first rounds of a process run cold, and a cost restored from a plan
+    cache was timed in another process, at that minute's speed of the machine. None of these is
+    what the pair costs now, and the isotonic fit pools a too-high small budget with every larger
+    one (measured on the CPU server: a restored table 36 / 21 / 20.5 / 20.3 / 21 ms for 16 / 24 /
+    32 / 48 / 64 nodes read as one flat cost, so the largest tree won where 32 nodes ran 12 %
+    faster). So a pair is *provisional* until it has a *settled* round: one of this process, not
+    its first here, recorded after the table's first ``warmup`` rounds; its provisional rounds are
+    dropped then. Once a batch size has two settled tree budgets, the fit reads settled ones only
+    (the provisional ones are read through it) and the controller's cost probes re-time the
+    provisional ones (:meth:`~sglang_tev.autobudget.BudgetController.probe_kinds`).
+
     The machine's load. A shared machine runs the same round 1.5-2x slower in a busy minute, and a
     budget timed only by occasional probes would carry the minute it was timed in. So each round
     time is divided by the load of its minute before it is stored: the median of the last 8 raw
@@ -63,6 +75,7 @@ class CostTable:
         load_correction: divide round times by the load of their minute (above); off, the
             medians of raw times.
         stamp: rounds recorded so far; ``last``: ``{(batch, budget): stamp of its last round}``.
+        warmup: the table's first rounds, whose times are provisional (above).
     """
 
     seconds: dict = field(default_factory=dict)
@@ -71,7 +84,10 @@ class CostTable:
     window: int = 15
     load_correction: bool = True
     stamp: int = 0
+    warmup: int = 32
     last: dict = field(default_factory=dict, repr=False)
+    _here: dict = field(default_factory=dict, repr=False)       # pair -> rounds recorded in this process
+    _settled: set = field(default_factory=set, repr=False)      # pairs with a settled round (above)
     _recent: dict = field(default_factory=dict, repr=False)
     _raw: dict = field(default_factory=dict, repr=False)
     _pairs: list = field(default_factory=list, repr=False)
@@ -94,9 +110,14 @@ class CostTable:
             return
         cnt = self.counts.setdefault(batch, {})
         cnt[budget] = cnt.get(budget, 0) + 1
-        recent = self._recent.setdefault((batch, budget), [])
+        pair = (batch, budget)
+        recent = self._recent.setdefault(pair, [])
+        here = self._here[pair] = self._here.get(pair, 0) + 1
         if cnt[budget] == 2 and len(recent) == 1:
             recent.clear()  # the pair's first round allocated its shapes
+        if pair not in self._settled and here >= 2 and self.stamp >= self.warmup:
+            recent.clear()  # its first settled round: the provisional ones go
+            self._settled.add(pair)
         if self.stamp % 4 == 0 or self._load is None:  # the load moves by the minute: read it every 4th round
             self._load = self.current_load()
         norm = seconds / self._load  # this minute's load, from the rounds before this one
@@ -120,6 +141,7 @@ class CostTable:
             raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
         self._memo.clear()
         self._recent[(batch, budget)] = [float(seconds)]
+        self._settled.add((batch, budget))
         self.counts.setdefault(batch, {})[budget] = int(count)
         self.seconds.setdefault(batch, {})[budget] = float(seconds)
 
@@ -130,6 +152,11 @@ class CostTable:
 
     def measured(self, batch: int, budget: int) -> bool:
         return budget in self.seconds.get(batch, {})
+
+    def provisional(self, batch: int, budget: int) -> bool:
+        """Whether the pair has a cost but no settled round yet (see the class docstring; a frozen
+        table's costs are never provisional: they are not re-timed)."""
+        return not self.frozen and self.measured(batch, budget) and (batch, budget) not in self._settled
 
     def cost(self, batch: int, budget: int) -> float | None:
         """Seconds of a round at (batch, budget), in the table's scale (seconds at load 1: only
@@ -162,7 +189,10 @@ class CostTable:
         fit = self._memo.get(("fit", batch))
         if fit is None:
             cnt = self.counts.get(batch, {})
-            pts = sorted((b, s, min(self.window, max(1, cnt.get(b, 1)))) for b, s in row.items() if b > 0)
+            trees = [b for b in row if b > 0]
+            settled = [b for b in trees if not self.provisional(batch, b)]
+            pts = sorted((b, row[b], min(self.window, max(1, cnt.get(b, 1))))
+                         for b in (settled if len(settled) >= 2 else trees))
             fit = self._memo[("fit", batch)] = _monotone(pts)
         if not fit:
             return None
@@ -209,7 +239,10 @@ class CostTable:
             raise ValueError(f"cost_table: batch sizes must be >= 1 and budgets in 0..{MAX_BUDGET}")
         if not any(any(b > 0 for b in r) for r in sec.values()):
             raise ValueError("cost_table: holds no tree budget (> 0) at any batch size; nothing to choose from")
-        return cls(sec, cnt, frozen=frozen)
+        table = cls(sec, cnt, frozen=frozen)
+        if frozen:  # a tuned table is the truth it is run with; a restored one is re-timed here
+            table._settled = {(b, k) for b, r in sec.items() for k in r}
+        return table
 
     @classmethod
     def load(cls, path, frozen: bool = True) -> "CostTable":

@@ -292,7 +292,8 @@ def test_a_regime_switch_is_tried_against_the_same_minute_and_undone_when_it_los
     true = {0: 0.010, 8: 0.030, 32: 0.045}
     # no probes at all (no allowance, and no free across probe of the fast-looking 8: every tree
     # may be probed, the stalest first), so only the trial mechanism is at work
-    ctl = BudgetController(grid, CostTable(), explore_share=0.0, stale_loss=1e9)
+    # (warmup 0: every round after a pair's first is settled, so the burst stays in the window)
+    ctl = BudgetController(grid, CostTable(warmup=0), explore_share=0.0, stale_loss=1e9)
     assert _run(ctl, 5, gains, true) == [32, 0, 0, 8, 8]  # calibration
     _run(ctl, 20, gains, true)
     assert ctl.state(1).current == 0 and not ctl.trials
