@@ -151,7 +151,9 @@ class TreePlanner(AutoBudget):
     (:class:`AutoBudget`: plain decoding or trees, calibration, probes, trials). In its steady
     rounds (calibrated, no trial, the choice itself, a tree) the tree is built one grid step
     larger (the headroom), and after the build :meth:`refine` cuts it to the grid width ``w``
-    that maximises ``tokens - rate * seconds`` over the rows' calibrated node values
+    that maximises ``tokens - rate * seconds`` over the rows' calibrated node values (by edges
+    when :meth:`refine_tree` reads them, scaled per segment of pop order by what past rounds held
+    there: :meth:`~sglang_tev.planner.ReachCalibration.corrected`)
     (:func:`~sglang_tev.planner.allocate`, padded layout: the transformers runtime pads rows to one
     width), ``rate`` the tokens per second of recent rounds of this batch size (an EMA), the
     seconds the controller's cost table at (batch, w). The verified round's exit law labels every
@@ -186,7 +188,7 @@ class TreePlanner(AutoBudget):
             raise SpecError("layout", f"must be 'padded' or 'ragged', got {layout!r}")
         self.layout = layout
         self._rate: dict[int, list[float]] = {}   # batch -> [EMA tokens, EMA seconds]
-        self._pending: tuple | None = None        # (plan, regimes, scores) of the refined round
+        self._pending: tuple | None = None        # (plan, regimes, scores, edges, values) of the round
         self.widths: list[tuple[int, int, int]] = []  # (batch, ceiling, width) of refined rounds, last 10,000
 
     def plan(self, batch: int) -> RoundPlan:
@@ -218,7 +220,8 @@ class TreePlanner(AutoBudget):
         r = self._rate.get(batch)
         return None if r is None or r[1] <= 0 else r[0] / r[1]
 
-    def refine(self, plan: RoundPlan, scores: Sequence[Sequence[float]], regimes: Sequence[str]) -> RoundPlan:
+    def refine(self, plan: RoundPlan, scores: Sequence[Sequence[float]], regimes: Sequence[str],
+               edges: Sequence | None = None) -> RoundPlan:
         """The plan cut to this round's draft (``plan`` itself when it is not refinable).
 
         Args:
@@ -226,14 +229,23 @@ class TreePlanner(AutoBudget):
             scores: per row, the draft path scores of its tree's non-root nodes in pop order
                 (:func:`~sglang_tev.planner.node_path_scores`, padded nodes left out).
             regimes: per row, its calibration regime (:func:`~sglang_tev.planner.regime_of`).
+            edges: per row, the same nodes' ``(edge_logq, depths, parents)``
+                (:meth:`~sglang_tev.planner.ReachCalibration.update`): the calibration then values
+                each node as the product of its edges' continuation chances and learns them;
+                None: by path score alone.
         """
+        dep = None if edges is None else [tuple(list(x) for x in e) for e in edges]
+        # the rows' node values as the calibration reads them now (its segments learn from them)
+        raw = [self.calibration.values(g, s, None if dep is None else d)
+               for g, s, d in zip(regimes, scores, dep or [None] * len(scores))] if plan.budget > 0 else None
         if not getattr(plan, "refinable", False):
             # not cut (calibration, probes, trials), but its nodes still label the calibration
-            self._pending = (plan, list(regimes), [list(s) for s in scores]) if plan.budget > 0 else None
+            self._pending = (plan, list(regimes), [list(s) for s in scores], dep, raw) if plan.budget > 0 else None
             return plan
         batch, ceiling = len(plan.budgets), plan.budget
-        values = [self.calibration.values(g, s) for g, s in zip(regimes, scores)]
         sizes = self.controller.grid_upto(ceiling)
+        segs = self.controller.grid_upto(self.capacity)
+        values = [self.calibration.corrected(g, v, segs) for g, v in zip(regimes, raw)]
         costs = self.controller.costs
         alloc = allocate(values, lambda w: costs.cost(batch, w), layout="padded", sizes=sizes, rate=self.rate(batch))
         w = ceiling if alloc is None else max(1, alloc.size)
@@ -241,7 +253,7 @@ class TreePlanner(AutoBudget):
         out = self._uniform(batch, w) if self.layout == "padded" else self._refine_ragged(batch, w, values, costs)
         self.widths.append((batch, ceiling, out.budget))
         del self.widths[:-10000]
-        self._pending = (out, list(regimes), [list(s) for s in scores])
+        self._pending = (out, list(regimes), [list(s) for s in scores], dep, raw)
         return out
 
     def _uniform(self, batch: int, w: int) -> RoundPlan:
@@ -291,11 +303,23 @@ class TreePlanner(AutoBudget):
         (:func:`~sglang_tev.planner.node_path_scores` of ``drafted``, padded nodes left out; on CUDA
         a small host read), and the tree cut to the refined plan (a best-first tree's first w + 1
         nodes are its budget-w tree). Returns (plan, tree)."""
-        from .planner import node_path_scores
+        import torch
 
-        scores = node_path_scores(tree, drafted)[:, 1:].tolist()
-        per_row = [[x for x in row if x != float("-inf")] for row in scores]
-        out = self.refine(plan, per_row, regimes)
+        from .planner import node_edge_scores
+
+        edge = node_edge_scores(tree, drafted)
+        score = (tree.ancestor_mask.to(torch.float64) * edge.unsqueeze(1)).sum(-1)
+        # the path scores, edges, depths, parents and validity of every node in one host read
+        host = torch.stack((score, edge, tree.depth.to(torch.float64), tree.parents.to(torch.float64),
+                            tree.valid.to(torch.float64))).tolist()
+        per_row, edges = [], []
+        for srow, erow, drow, prow, vrow in zip(*host):
+            keep = [t for t in range(1, len(srow)) if vrow[t]]
+            at = {t: j for j, t in enumerate(keep)}
+            per_row.append([srow[t] for t in keep])
+            edges.append(([erow[t] for t in keep], [int(drow[t]) for t in keep],
+                          [at.get(int(prow[t]), -1) for t in keep]))
+        out = self.refine(plan, per_row, regimes, edges)
         return out, cut_rows(tree, out.budgets)
 
     def observe(self, plan: RoundPlan, reach_cum, seconds: float, reach_nodes=None) -> None:
@@ -325,10 +349,13 @@ class TreePlanner(AutoBudget):
             ema[1] += a * (seconds - ema[1])
         pending, self._pending = self._pending, None
         if pending is not None and reach_nodes is not None and pending[0] is plan:
-            _, regimes, scores = pending
-            for g, s, p, b in zip(regimes, scores, reach_nodes, plan.budgets):
+            _, regimes, scores, edges, raw = pending
+            segs = self.controller.grid_upto(self.capacity)
+            for r, (g, s, p, b) in enumerate(zip(regimes, scores, reach_nodes, plan.budgets)):
                 m = min(len(s), max(0, len(p) - 1), b)  # a row's nodes past its own cut were not verified
-                self.calibration.update(g, s[:m], p[1: m + 1])
+                # what this row's values said per segment of pop order against what it held
+                self.calibration.learn_segments(g, raw[r], p[1: m + 1], segs)
+                self.calibration.update(g, s[:m], p[1: m + 1], None if edges is None else tuple(x[:m] for x in edges[r]))
 
 
 def cut_tree(tree, n: int):

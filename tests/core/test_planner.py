@@ -113,6 +113,127 @@ def test_calibration_converges_to_a_known_reach_law():
     assert regime_of(0.0) == "greedy" and regime_of(0.7) == "T0.7" and regime_of(1.0) == "T1"
 
 
+def test_edge_calibration_learns_continuation_chances_and_values_paths_by_their_product():
+    """Synthetic trees where the target follows a chain: the child of a reached node is reached
+    with a chance set by its edge's draft log-probability and depth, not by its path score (a
+    likely child deep in the chain and a shallow sibling branch of the same path score). The
+    edge tables learn each depth's continuation law; a node's value is the product along its
+    path; a row's values stay non-increasing in pop order."""
+    rng = random.Random(1)
+    go = lambda e, d: min(1.0, math.exp(e) * (1.0 + 0.5 * (d - 1)))  # noqa: E731 - deeper edges: likelier
+    cal = ReachCalibration(alpha=0.002)
+    for _ in range(3000):
+        # a chain of 4 and a sibling of each chain node (parents by index, -1: the root)
+        parents = [-1, 0, 1, 2, -1, 0, 1, 2]
+        depths = [1, 2, 3, 4, 1, 2, 3, 4]
+        edge = [-rng.uniform(0.05, 2.5) for _ in parents]
+        reach = []
+        for j, (par, d) in enumerate(zip(parents, depths)):
+            above = 1.0 if par < 0 else reach[par]
+            reach.append(float(above > 0 and rng.random() < go(edge[j], d)))
+        scores = [edge[j] + (0.0 if parents[j] < 0 else sum(edge[k] for k in _path(parents, parents[j])))
+                  for j in range(len(parents))]
+        cal.update("greedy", scores, reach, (edge, depths, parents))
+    i = next(j for j, e in enumerate(SCORE_EDGES) if e == -0.7)  # edges in (-1.0, -0.7]
+    for d in (1, 2, 4):
+        assert cal.table(f"greedy@e{d}")[i] == pytest.approx(go(-0.85, d), abs=0.07), d
+    # a path's value is the product of its edges' chances
+    vals = cal.values("greedy", [-0.8, -1.6, -2.4], ([-0.8, -0.8, -0.8], [1, 2, 3], [-1, 0, 1]))
+    t = [cal.table(f"greedy@e{d}")[i] for d in (1, 2, 3)]
+    assert vals == pytest.approx([t[0], t[0] * t[1], t[0] * t[1] * t[2]])
+    # out of order in pop order (a sibling of a higher path score but a worse chance): pooled
+    vals = cal.values("greedy", [-0.5, -0.8, -0.9], ([-0.5, -2.4, -0.4], [1, 2, 2], [-1, 0, 0]))
+    assert all(a >= b for a, b in zip(vals, vals[1:])) and vals[1] == vals[2]
+    # an edge table never labelled reads its prior exp(log q); without edges, the path score's
+    fresh = ReachCalibration()
+    assert fresh.values("T1", [-0.3], ([-0.3], [1], [-1])) == pytest.approx([math.exp(-0.3)])  # its bin's middle
+    fresh.update("T1", [-0.3], [1.0])
+    assert "T1@e1" not in fresh.means and fresh.values("T1", [-0.3]) == [fresh.value("T1", -0.3)]
+    # the keys round-trip through the plan cache's JSON
+    back = ReachCalibration.from_json(cal.to_json())
+    assert back.table("greedy@e2") == cal.table("greedy@e2")
+
+
+def test_segment_correction_learns_what_the_node_values_miss_and_round_trips():
+    """Rows whose values say 0.1 a node in pop order 5-8 where the target reached 0.5 a node
+    there (and as said elsewhere): the segment (4, 8] is scaled by 5 (its clip), the others
+    stay, capped at 1 and non-increasing; unlabelled segments read 1."""
+    cal = ReachCalibration()
+    sizes = (2, 4, 8, 16)
+    values = [0.9, 0.8, 0.5, 0.4, 0.1, 0.1, 0.1, 0.1]
+    for _ in range(60):
+        cal.learn_segments("greedy", values, [0.9, 0.8, 0.5, 0.4, 0.5, 0.5, 0.5, 0.5], sizes)
+    assert cal.segment_factor("greedy", 2) == pytest.approx(1.0)
+    assert cal.segment_factor("greedy", 4) == pytest.approx(1.0)
+    assert cal.segment_factor("greedy", 8) == 5.0  # 2.0 / 0.4, clipped at 5
+    assert cal.segment_factor("greedy", 16) == 1.0 and cal.segment_factor("T1", 8) == 1.0  # never labelled
+    got = cal.corrected("greedy", values + [0.05] * 4, sizes)
+    assert got[:2] == pytest.approx([0.9, 0.8]) and all(a >= b for a, b in zip(got, got[1:]))
+    assert sum(got[2:8]) == pytest.approx(0.5 + 0.4 + 4 * 0.5)  # pooled, the segment's total kept
+    # a row verified only to 6 nodes labels the segments it covers in full
+    part = ReachCalibration()
+    part.learn_segments("greedy", values, [1.0] * 6, sizes)
+    assert set(part.segments["greedy"]) == {2, 4}
+    back = ReachCalibration.from_json(cal.to_json())
+    assert back.segments == cal.segments
+    bad = cal.to_json()
+    bad["segments"]["greedy"]["8"] = [-1.0, 0.4, 3]
+    with pytest.raises(ValueError, match="segments"):
+        ReachCalibration.from_json(bad)
+
+
+def test_planner_cuts_where_the_corrected_values_pay():
+    """The first 4 nodes valued 0.1 each by the calibration but reached at 0.6: once the segment
+    correction has seen verified rounds, the refine keeps the 4-node tree it cut before."""
+    ctl = BudgetController((0, 2, 4), _set_costs({0: 1.0, 2: 1.3, 4: 1.6}), explore_share=0.0)
+    pol = TreePlanner(ctl, block_size=8)
+    st = ctl.state(1)
+    st.calibrated, st.current, st.cost_now, st.age = True, 2, 1.3, 0
+    ctl.gain.update({2: 0.3, 4: 0.5})
+    pol._rate[1] = [1.5, 1.0]  # 1.5 tokens a second so far
+    scores = [[-2.3, -2.3, -2.31, -2.32]]  # a node reads 0.1 (the prior of its bin)
+    plan = pol.plan(1)
+    assert plan.budget == 4 and plan.refinable
+    assert pol.refine(plan, scores, ["greedy"]).budget == 2  # 0.2 more tokens do not pay 0.3 s at 1.5/s
+    for _ in range(40):  # verified rounds at 4 nodes (probes): the target reached 0.6 a node
+        full = RoundPlan((4,), 4, reach_at=(2, 4))
+        pol.refine(full, scores, ["greedy"])
+        pol.observe(full, [[1.2, 2.4]], 1.6, reach_nodes=[[1.0, 0.6, 0.6, 0.6, 0.6]])
+    pol._rate[1] = [1.5, 1.0]
+    ctl.state(1).age = 0
+    plan = pol.plan(1)
+    assert plan.refinable and pol.refine(plan, scores, ["greedy"]).budget == 4
+
+
+def _set_costs(costs: dict[int, float]) -> CostTable:
+    t = CostTable()
+    for b, sec in costs.items():
+        t.set(1, b, sec)
+    return t
+
+
+def _path(parents, j):
+    out = []
+    while j >= 0:
+        out.append(j)
+        j = parents[j]
+    return out
+
+
+def test_planner_labels_edges_of_reached_parents_only():
+    pol = TreePlanner(BudgetController((0, 2, 4), CostTable()), block_size=8)
+    plan = RoundPlan((4,), 4, reach_at=(2, 4))
+    # root -> a -> b, root -> c, a -> d; the target follows root -> a -> b
+    pol.refine(plan, [[-0.5, -1.0, -2.5, -2.6]], ["greedy"], edges=[([-0.5, -0.5, -2.5, -2.1], [1, 2, 1, 2], [-1, 0, -1, 0])])
+    pol.observe(plan, [[2.0, 2.0]], 0.01, reach_nodes=[[1.0, 1.0, 1.0, 0.0, 0.0]])
+    cal = pol.calibration
+    assert {"greedy", "greedy@e1", "greedy@e2"} <= set(cal.means)
+    i = next(j for j, e in enumerate(SCORE_EDGES) if e == -0.35)  # (-0.5, -0.35]
+    assert cal.means["greedy@e2"][i] > math.exp(-0.425)  # b: a hit under a reached parent
+    k = next(j for j, e in enumerate(SCORE_EDGES) if e == -2.0)  # (-2.8, -2.0]: c (depth 1) and d (depth 2)
+    assert cal.means["greedy@e1"][k] < math.exp(-2.4) and cal.means["greedy@e2"][k] < math.exp(-2.4)
+
+
 def test_calibration_round_trips_and_refuses_foreign_data():
     cal = ReachCalibration()
     cal.update("greedy", [-0.1, -3.0], [1.0, 0.0])
@@ -286,7 +407,7 @@ def test_ragged_rounds_label_each_row_only_up_to_its_own_cut():
     assert out.ragged and out.budgets[1] < out.budgets[0], out.budgets
     before = [list(x) for x in pol.calibration._regime("greedy")]
     seen = []
-    pol.calibration.update = lambda g, s, p: seen.append((g, list(s), list(p)))
+    pol.calibration.update = lambda g, s, p, d=None: seen.append((g, list(s), list(p)))
     n0, n1 = out.budgets
     # reach as verified: row 1's nodes past its cut were not verified (reach 0 in the exit law)
     reach = [[1.0] + [0.9] * n0 + [0.0] * (plan.budget - n0), [1.0] + [0.5] * n1 + [0.0] * (plan.budget - n1)]
