@@ -46,8 +46,8 @@ from typing import Callable, Iterable, Sequence
 
 from .spec import SpecError, is_greedy
 
-__all__ = ["SCORE_EDGES", "MAX_DEPTH_KEY", "edge_key", "ReachCalibration", "Allocation", "allocate", "regime_of", "node_path_scores",
-           "node_edge_scores"]
+__all__ = ["SCORE_EDGES", "MAX_DEPTH_KEY", "edge_key", "ReachCalibration", "Allocation", "allocate", "regime_of",
+           "node_path_scores", "node_edge_scores"]
 
 SCORE_EDGES = (0.0, -0.01, -0.03, -0.06, -0.1, -0.17, -0.25, -0.35, -0.5, -0.7, -1.0, -1.4, -2.0, -2.8, -4.0,
                -5.5, -8.0, -12.0)
@@ -127,7 +127,7 @@ class ReachCalibration:
       value is then the product along its path, as the reach itself is (Eq. 2). The path score
       alone cannot tell a likely child of the chain the target follows from a sibling branch of
       the same score: on the CPU server (shipped pair, greedy, 64-node trees, 1,789 rounds) it
-      valued the nodes past the 16th at 0.23 tokens a round where they held 0.82, and cut the
+      valued the nodes past the 16th at 0.40 tokens a round where they held 0.82, and cut the
       rounds whose nodes 17-32 held the most (0.66 tokens against 0.34 in the rounds it kept).
     Args:
         alpha: the EMA weight per label once a bin has ``1 / alpha`` labels (0 < alpha <= 1).
@@ -224,8 +224,8 @@ class ReachCalibration:
         """Compare one verified row's predicted and realised reach per segment of pop order.
 
         Node values (by score or edges) miss what the pop position says about a node (on the CPU
-        server's shipped pair the third node, a second-ranked child, was reached in 63 % of the
-        rounds, its first-ranked sibling in 6 %): there the values summed over the first 24
+        server's shipped pair the third node in pop order was reached in 63 % of the rounds, the
+        second, of a higher path score, in 6 %): there the values summed over the first 24
         nodes 1.9 tokens where the rounds held 2.5, and the cut stopped short of what paid. So
         per segment ``(sizes[k-1], sizes[k]]`` of pop order the sums of the row's values
         (:meth:`values`, before :meth:`corrected`) and of its verified reach are kept as EMAs,
