@@ -113,8 +113,8 @@ class CostTable:
         pair = (batch, budget)
         recent = self._recent.setdefault(pair, [])
         here = self._here[pair] = self._here.get(pair, 0) + 1
-        if cnt[budget] == 2 and len(recent) == 1:
-            recent.clear()  # the pair's first round allocated its shapes
+        if here == 2 and len(recent) == 1:
+            recent.clear()  # the pair's first round here allocated its shapes (restored counts aside)
         if pair not in self._settled and here >= 2 and self.stamp >= self.warmup:
             recent.clear()  # its first settled round: the provisional ones go
             self._settled.add(pair)

@@ -234,6 +234,8 @@ class TreePlanner(AutoBudget):
                 each node as the product of its edges' continuation chances and learns them;
                 None: by path score alone.
         """
+        if edges is not None and len(edges) != len(scores):
+            raise SpecError("edges", f"one (edge_logq, depths, parents) per row: {len(edges)} for {len(scores)} rows")
         dep = None if edges is None else [tuple(list(x) for x in e) for e in edges]
         # the rows' node values as the calibration reads them now (its segments learn from them)
         raw = [self.calibration.values(g, s, None if dep is None else d)

@@ -86,6 +86,30 @@ def _prior(i: int) -> float:
 _PRIORS = [_prior(i) for i in range(len(SCORE_EDGES))]
 
 
+def _check_edges(edges, n: int) -> tuple[list[float], list[int], list[int]]:
+    """``edges`` as :meth:`ReachCalibration.update` takes them, checked for ``n`` nodes: three
+    sequences of at least ``n`` entries, depths >= 1, each parent -1 or an earlier node.
+
+    Raises:
+        SpecError naming ``edges``.
+    """
+    try:
+        logq, depths, parents = (list(x) for x in edges)
+    except (TypeError, ValueError):
+        raise SpecError("edges", "must be (edge_logq, depths, parents), three sequences") from None
+    if min(len(logq), len(depths), len(parents)) < n:
+        raise SpecError("edges", f"need {n} nodes in each of edge_logq, depths, parents, got "
+                                 f"{len(logq)}, {len(depths)}, {len(parents)}")
+    for j in range(n):
+        if isinstance(depths[j], bool) or int(depths[j]) != depths[j] or depths[j] < 1:
+            raise SpecError("edges", f"node {j}: depth must be an integer >= 1, got {depths[j]!r}")
+        if isinstance(parents[j], bool) or int(parents[j]) != parents[j] or not -1 <= parents[j] < j:
+            raise SpecError("edges", f"node {j}: parent must be -1 (the root) or an earlier node, got {parents[j]!r}")
+        if not math.isfinite(float(logq[j])):
+            raise SpecError("edges", f"node {j}: edge_logq must be finite, got {logq[j]!r}")
+    return [float(x) for x in logq[:n]], [int(d) for d in depths[:n]], [int(p) for p in parents[:n]]
+
+
 def _antitone(means: list[float], weights: list[float]) -> list[float]:
     """Weighted isotonic fit, non-increasing along the list (pool adjacent violators)."""
     blocks: list[list[float]] = []  # [sum w*x, sum w, length]
@@ -170,20 +194,22 @@ class ReachCalibration:
                 a label of its depth's edge table, ``P(v) / P(parent)`` with weight ``P(parent)``
                 (greedy: the hit rate of the children of reached nodes).
         """
-        scores, reach = list(scores), list(reach)
+        scores, reach = list(scores), [float(p) for p in reach]
+        n = min(len(scores), len(reach))
+        checked = None if edges is None else _check_edges(edges, n)  # before any table moves
+        ok = [math.isfinite(p) for p in reach[:n]]  # a label that is not a number is left out
         means, counts = self._regime(regime)
-        for s, p in zip(scores, reach):
-            self._fold(means, counts, s, p)
+        for s, p, good in zip(scores, reach, ok):
+            if good:
+                self._fold(means, counts, s, p)
         self._fit.pop(regime, None)
-        if edges is None:
+        if checked is None:
             return
-        for j, (e, d, par) in enumerate(zip(*edges)):
-            if j >= len(reach):
-                break
-            above = 1.0 if par < 0 else float(reach[par])
-            if above > 1e-6:
+        for j, (e, d, par) in enumerate(zip(*checked)):
+            above = 1.0 if par < 0 else min(1.0, max(0.0, reach[par]))
+            if ok[j] and (par < 0 or ok[par]) and above > 1e-6:
                 key = edge_key(regime, d)
-                self._fold(*self._regime(key), e, min(1.0, float(reach[j]) / above), min(1.0, above))
+                self._fold(*self._regime(key), e, min(1.0, max(0.0, reach[j])) / above, above)
                 self._fit.pop(key, None)
 
     def table(self, regime: str) -> list[float]:
@@ -203,14 +229,14 @@ class ReachCalibration:
         :func:`allocate` takes). Without ``edges``, :meth:`value` of each path score
         (non-increasing as the scores are). With them (as :meth:`update`), the product along each
         node's path of its edges' calibrated continuation chances (an edge table never labelled
-        reads its prior ``exp(log q)``), then made non-increasing along the row by pooling
+        reads its prior, ``exp`` of the middle of the edge's score bin), then made non-increasing along the row by pooling
         adjacent violators: a prefix's total is kept wherever a pooled block ends, so the
         best-first sub-trees the allocation compares are valued by what their nodes hold."""
         if edges is None:
             t = self.table(regime)
             return [t[_bin(float(s))] for s in scores]
         out: list[float] = []
-        for e, d, par in zip(*edges):
+        for e, d, par in zip(*_check_edges(edges, len(scores))):
             above = 1.0 if par < 0 else out[par]
             key = edge_key(regime, d)
             out.append(above * (self.table(key) if key in self.means else _PRIORS)[_bin(float(e))])
@@ -237,6 +263,11 @@ class ReachCalibration:
                 segments it covers in full are labelled.
             sizes: the segment ends (the grid's positive budgets, increasing).
         """
+        reach = [float(x) for x in reach]
+        values = [float(x) for x in values]
+        if not all(math.isfinite(x) for x in reach + values):
+            return  # a row with a label or value that is not a number teaches nothing
+        reach = [min(1.0, max(0.0, x)) for x in reach]
         seg = self.segments.setdefault(regime, {})
         prev = 0
         for size in sizes:
@@ -249,11 +280,14 @@ class ReachCalibration:
             e[1] += w * (sum(values[prev:size]) - e[1])
             prev = size
 
+    SEGMENT_MIN_ROUNDS = 8
+    """Labelled rows a segment needs before its factor is read (one round's ratio is noise)."""
+
     def segment_factor(self, regime: str, size: int) -> float:
-        """Realised over predicted reach of the segment ending at ``size`` (1 while unlabelled or
-        predicted empty), clipped to [0.2, 5]."""
+        """Realised over predicted reach of the segment ending at ``size`` (1 while it has fewer
+        than :attr:`SEGMENT_MIN_ROUNDS` labelled rows or is predicted empty), clipped to [0.2, 5]."""
         e = self.segments.get(regime, {}).get(int(size))
-        if e is None or e[1] <= 1e-9:
+        if e is None or e[2] < self.SEGMENT_MIN_ROUNDS or e[1] <= 1e-9:
             return 1.0
         return min(5.0, max(0.2, e[0] / e[1]))
 
@@ -290,18 +324,47 @@ class ReachCalibration:
             counts = data["counts"][regime]
             if len(means) != len(SCORE_EDGES) or len(counts) != len(SCORE_EDGES):
                 raise ValueError(f"calibration: regime {regime!r} has {len(means)} bins, want {len(SCORE_EDGES)}")
-            if not all(0.0 <= float(x) <= 1.0 for x in means) or not all(float(c) >= 0 for c in counts):
+            if not all(0.0 <= float(x) <= 1.0 for x in means) or not all(
+                    math.isfinite(float(c)) and float(c) >= 0 for c in counts):
                 raise ValueError(f"calibration: regime {regime!r} holds values out of range")
             cal.means[str(regime)] = [float(x) for x in means]
             cal.counts[str(regime)] = [float(c) for c in counts]
-        for regime, seg in (data.get("segments") or {}).items():
-            try:
-                cal.segments[str(regime)] = {int(k): [float(v[0]), float(v[1]), int(v[2])] for k, v in seg.items()}
-            except (TypeError, ValueError, IndexError, AttributeError):
-                raise ValueError(f"calibration: regime {regime!r} has malformed segments") from None
-            if any(not (r >= 0 and p >= 0 and n >= 0) for r, p, n in cal.segments[str(regime)].values()):
-                raise ValueError(f"calibration: regime {regime!r} holds segments out of range")
+        segments = data.get("segments") or {}
+        if not isinstance(segments, dict):
+            raise ValueError("calibration: segments must be {regime: {size: [realised, predicted, rounds]}}")
+        for regime, seg in segments.items():
+            cal.segments[str(regime)] = _segments_from_json(regime, seg)
         return cal
+
+
+def _segments_from_json(regime, seg) -> dict[int, list]:
+    """One regime's segments as :meth:`ReachCalibration.to_json` wrote them, checked.
+
+    Raises:
+        ValueError naming the calibration's regime: not ``{size >= 1: [realised >= 0, predicted >= 0,
+        rounds >= 0 (an integer)]}`` of finite numbers.
+    """
+    bad = ValueError(f"calibration: regime {regime!r} has malformed segments "
+                     "(want {size >= 1: [realised >= 0, predicted >= 0, rounds >= 0]}, finite numbers)")
+    if not isinstance(seg, dict):
+        raise bad
+    out = {}
+    for k, v in seg.items():
+        try:
+            size = int(k)
+        except (TypeError, ValueError):
+            raise bad from None
+        if str(size) != str(k).strip() or size < 1 or not isinstance(v, (list, tuple)) or len(v) != 3:
+            raise bad
+        if any(isinstance(x, (bool, str)) or not isinstance(x, (int, float)) for x in v):
+            raise bad
+        real, pred, rounds = float(v[0]), float(v[1]), v[2]
+        if not (math.isfinite(real) and math.isfinite(pred) and real >= 0 and pred >= 0):
+            raise bad
+        if not (float(rounds).is_integer() and rounds >= 0):
+            raise bad
+        out[size] = [real, pred, int(rounds)]
+    return out
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,12 @@ def test_the_cost_probe_re_times_the_cheapest_provisional_tree_first():
     strict = BudgetController((0, 8, 16, 32, 64), table, stale_loss=1.0)
     table._settled.discard((1, 8))
     assert strict.probe_kinds(1, 32)[2] == 16
+
+
+def test_a_restored_pairs_first_round_here_is_dropped_when_its_second_arrives():
+    """(Review 2026-12-07) the shape rule read the counts, which carry the restored ones."""
+    t = CostTable.from_json({"seconds": {"1": {"8": 0.012, "16": 0.014}}, "counts": {"1": {"8": 120, "16": 40}}},
+                            frozen=False)
+    t.record(1, 8, 0.5)  # its first round here: allocates
+    t.record(1, 8, 0.012)
+    assert t.seconds[1][8] == 0.012 and t.counts[1][8] == 122

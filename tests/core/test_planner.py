@@ -212,6 +212,52 @@ def _set_costs(costs: dict[int, float]) -> CostTable:
     return t
 
 
+def test_calibration_refuses_bad_edges_and_malformed_json_and_skips_labels_that_are_not_numbers():
+    """(Review 2026-12-07) one clear error naming the argument, no table moved before it."""
+    cal = ReachCalibration()
+    cal.update("greedy", [-0.5, -1.0], [1.0, 0.0], ([-0.5, -0.5], [1, 2], [-1, 0]))
+    before = {k: list(v) for k, v in cal.means.items()}
+    for bad in (([-0.5], [1], [-1]),                          # too short for two nodes
+                ([-0.5, -0.5], [1, 0], [-1, 0]),              # depth 0
+                ([-0.5, -0.5], [1, 2], [-1, 1]),              # a parent that is not earlier
+                ([-0.5, float("nan")], [1, 2], [-1, 0]),      # an edge that is not a number
+                ([-0.5, -0.5], [1, 2]),                       # two sequences
+                None.__class__):                              # not sequences at all
+        with pytest.raises(SpecError, match="edges"):
+            cal.update("greedy", [-0.5, -1.0], [1.0, 1.0], bad)
+        with pytest.raises(SpecError, match="edges"):
+            cal.values("greedy", [-0.5, -1.0], bad)
+    assert {k: list(v) for k, v in cal.means.items()} == before
+    # a label that is not a number is left out of both tables; above 1 is read as 1
+    cal.update("greedy", [-0.5, -1.0], [float("nan"), 2.0], ([-0.5, -0.5], [1, 2], [-1, 0]))
+    assert all(math.isfinite(x) and 0 <= x <= 1 for v in cal.means.values() for x in v)
+    cal.learn_segments("greedy", [0.5, 0.5], [float("nan"), 1.0], (1, 2))
+    assert "greedy" not in cal.segments  # the row is left out
+    cal.learn_segments("greedy", [0.5, 0.5], [5.0, 1.0], (1, 2))
+    assert cal.segments["greedy"][1][0] == 1.0  # clipped
+    # a segment is read only once 8 rows labelled it
+    assert cal.segment_factor("greedy", 1) == 1.0
+    for _ in range(7):
+        cal.learn_segments("greedy", [0.5, 0.5], [1.0, 1.0], (1, 2))
+    assert cal.segment_factor("greedy", 1) == pytest.approx(2.0)
+    # malformed segments or counts in a saved file: ValueError naming the calibration
+    good = cal.to_json()
+    for seg in ("abc", [1, 2], 5, {"greedy": "x"}, {"greedy": {"8": "123"}}, {"greedy": {"8": [1.0, 0.5]}},
+                {"greedy": {"8": [1.0, 0.5, 2, 4]}}, {"greedy": {"8": [float("inf"), 0.5, 2]}},
+                {"greedy": {"8": [True, 0.5, 2]}}, {"greedy": {"0": [1.0, 0.5, 2]}}, {"greedy": {"8": [1.0, 0.5, 2.7]}},
+                {"greedy": {"x": [1.0, 0.5, 2]}}, {"greedy": {"8": [-1.0, 0.5, 2]}}):
+        with pytest.raises(ValueError, match="calibration"):
+            ReachCalibration.from_json({**good, "segments": seg})
+    inf_counts = cal.to_json()
+    inf_counts["counts"] = {**inf_counts["counts"], "greedy": [float("inf")] * len(SCORE_EDGES)}
+    with pytest.raises(ValueError, match="out of range"):
+        ReachCalibration.from_json(inf_counts)
+    # a planner's refine with a row count of edges other than the scores'
+    pol = TreePlanner(BudgetController((0, 2, 4), CostTable()), block_size=8)
+    with pytest.raises(SpecError, match="edges"):
+        pol.refine(RoundPlan((4, 4), 4), [[-0.5], [-0.5]], ["greedy", "greedy"], edges=[([-0.5], [1], [-1])])
+
+
 def _path(parents, j):
     out = []
     while j >= 0:
