@@ -1,5 +1,5 @@
 """SGLang's own serving benchmark against CPU servers: plain decoding, SGLang's DFLASH, TEV with a
-fixed tree (N = 17, 65) and TEV load-adaptive (``SGLANG_TEV_BUDGET=auto``, capacity 65; ``auto17``:
+fixed tree (N = 17, 33, 65) and TEV load-adaptive (``SGLANG_TEV_BUDGET=auto``, capacity 65; ``auto17``:
 capacity 17; ``auto65-ragged``: ``SGLANG_TEV_BUDGET=auto-ragged``, each request's tree cut to its
 own size and verified in one ragged forward).
 
