@@ -307,10 +307,10 @@ class TreePlanner(AutoBudget):
         nodes are its budget-w tree). Returns (plan, tree)."""
         import torch
 
-        from .planner import node_edge_scores
+        from .planner import node_edge_scores, node_path_scores
 
         edge = node_edge_scores(tree, drafted)
-        score = (tree.ancestor_mask.to(torch.float64) * edge.unsqueeze(1)).sum(-1)
+        score = node_path_scores(tree, edges=edge)  # padded nodes -inf: left out below by validity
         # the path scores, edges, depths, parents and validity of every node in one host read
         host = torch.stack((score, edge, tree.depth.to(torch.float64), tree.parents.to(torch.float64),
                             tree.valid.to(torch.float64))).tolist()

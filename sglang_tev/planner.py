@@ -33,7 +33,7 @@ Exactness: the plan depends only on this round's draft (fixed before the target 
 past rounds, never on this round's target probabilities or draws; an exact verifier samples the
 target law given whatever tree it gets, so the output law is untouched.
 
-Torch is needed only by :func:`node_path_scores`; the rest is host arithmetic.
+Torch is needed only by :func:`node_path_scores` and :func:`node_edge_scores`; the rest is host arithmetic.
 """
 
 from __future__ import annotations
@@ -470,16 +470,17 @@ def allocate(values: Sequence[Sequence[float]], cost: Callable[[int], float | No
     return Allocation(tuple(budgets), tokens, sec, size)
 
 
-def node_path_scores(tree, drafted):
+def node_path_scores(tree, drafted=None, *, edges=None):
     """float64 [b, N]: each node's draft path score ``sum log q`` along its path (root 0; padded
     nodes ``-inf``), the score DDTree ranks it by (temperature 1, as the builders): the sum of
     :func:`node_edge_scores` over the node's ancestors and itself.
 
-    Args: as :func:`node_edge_scores`.
+    Args: ``tree`` and ``drafted`` as :func:`node_edge_scores`; or ``edges``, its result for this
+    tree when already at hand (``drafted`` is then not read).
     """
     import torch
 
-    edge = node_edge_scores(tree, drafted)
+    edge = node_edge_scores(tree, drafted) if edges is None else edges
     score = (tree.ancestor_mask.to(torch.float64) * edge.unsqueeze(1)).sum(-1)
     return torch.where(tree.valid, score, torch.full_like(score, float("-inf")))
 
