@@ -133,6 +133,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", help="target model directory (HF, with tokenizer); default: the shipped tiny-code pair")
     g.add_argument("--draft", help="DFlash or DFlash2 drafter directory (z-lab layout); default without --target: the shipped drafter")
     g.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
-    g.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--dtype", choices=DTYPES,
+                   help="weights dtype (default: bfloat16 on CUDA; on CPU bfloat16 for a half-precision checkpoint "
+                        "where the CPU has native bf16 (avx512_bf16 / amx_bf16), else float32)")
     g.add_argument("--no-chat-template", action="store_true",
                    help="do not apply the tokenizer's chat template (default: applied when the tokenizer has one)")

@@ -48,7 +48,7 @@ from .stops import stop_token_set
 from .target import TargetModel
 
 __all__ = ["SpeculativeGenerator", "GenerationResult", "RoundStats", "Request", "Controls",
-           "GENERATION_METHODS", "DRAFT_MODES", "STAGES", "MAX_BUDGET", "NonFiniteLogitsError"]
+           "GENERATION_METHODS", "DRAFT_MODES", "STAGES", "MAX_BUDGET", "NonFiniteLogitsError", "default_dtype"]
 
 # GENERATION_METHODS and DRAFT_MODES are the spec's (sglang_tev.spec); what each draft mode runs
 # here: ``marginal`` = per-depth draft logits (a DFlash2 drafter's transformed marginals) into
@@ -100,6 +100,41 @@ def _path_error(name: str, path) -> None:
         raise ValueError(f"{name} must be a path, got {path!r}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{name}: no model directory at {os.fspath(path)!r}")
+
+
+def default_dtype(target, device: torch.device) -> torch.dtype:
+    """The weights dtype ``from_pretrained`` picks when given none.
+
+    CUDA: bfloat16. CPU: the checkpoint's own half precision (``dtype`` / ``torch_dtype`` in the
+    target's ``config.json``: bfloat16 or float16) as **bfloat16** when the CPU computes bf16
+    natively (``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo``, as HF transformers and vLLM
+    load a checkpoint in its dtype), else float32: without native bf16 every bf16 GEMM goes through
+    conversions and a verify forward of 17 tokens costs ~4.8x one token against ~2x in float32
+    (``docs/benchmarks.md``); with it, 1.3x against 1.6x, so trees pay more often. A float32
+    checkpoint, a config without a dtype, or one that cannot be read: float32.
+
+    Args:
+        target: the target model directory.
+        device: where the models go.
+    Returns a torch dtype. Raises nothing (an unreadable config is the loader's error to give)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type != "cpu":
+        return torch.float32
+    from ..machine import cpu_bf16_flags
+
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(target)
+    except (OSError, ValueError):
+        return torch.float32
+    stored = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if stored in (torch.bfloat16, torch.float16) and cpu_bf16_flags():
+        return torch.bfloat16
+    return torch.float32
 
 
 def _is_prompt_list(prompt) -> bool:
@@ -223,7 +258,8 @@ class SpeculativeGenerator:
                 pair shipped in the package (hf/assets.py), its drafter too unless ``draft`` is
                 given (``draft=False``: none).
             draft: directory of the DFlash drafter (z-lab layout), or None.
-            dtype: default float32 on CPU, bfloat16 on CUDA.
+            dtype: default :func:`default_dtype`: bfloat16 on CUDA; on CPU the checkpoint's half
+                precision as bfloat16 where the CPU computes bf16 natively, else float32.
             device: default CUDA when available, else CPU.
             options: ``static_shapes`` / ``cuda_graphs`` (see the class).
         Raises:
@@ -245,7 +281,7 @@ class SpeculativeGenerator:
                              "model; pass it as the draft")
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if dtype is None:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            dtype = default_dtype(target, device)
         try:
             model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa")
         except (OSError, ValueError) as e:

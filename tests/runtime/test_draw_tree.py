@@ -34,7 +34,8 @@ def shipped():
     from sglang_tev.train.drafter_eval import load_models
 
     target, tok, drafters, names = load_models(ASSET / "target", [ASSET / "draft2", ASSET / "draft"])
-    gens = {name: SpeculativeGenerator.from_pretrained(ASSET / "target", ASSET / name) for name in names}
+    gens = {name: SpeculativeGenerator.from_pretrained(ASSET / "target", ASSET / name, dtype=torch.float32)
+            for name in names}  # the dtype load_models uses
     return target, tok, drafters, names, gens, encode_prompt(CODE, tok)
 
 

@@ -37,7 +37,7 @@ def shipped():
 
     target, tok = load_target(ASSET / "target", torch.device("cpu"), torch.float32)
     draft = DFlashDraftModel.from_pretrained(ASSET / "draft", dtype=torch.float32).eval()
-    gen = SpeculativeGenerator.from_pretrained(ASSET / "target", ASSET / "draft")
+    gen = SpeculativeGenerator.from_pretrained(ASSET / "target", ASSET / "draft", dtype=torch.float32)
     ids = tok(CODE, add_special_tokens=False)["input_ids"]
     return target, draft, gen, ids
 

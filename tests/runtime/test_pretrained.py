@@ -63,3 +63,57 @@ def test_no_weight_loading_progress_bars(capfd, enabled):
         assert hf_logging.is_progress_bar_enabled() is enabled
     finally:
         hf_logging.enable_progress_bar()
+
+
+# ---------------------------------------------------------------------- the default dtype
+def _checkpoint(tmp_path, stored: str | None) -> Path:
+    """A target directory whose config.json stores ``stored`` as its dtype (None: no dtype)."""
+    import json
+
+    cfg = json.loads((SHIPPED / "target" / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    if stored is not None:
+        cfg["dtype"] = stored
+    d = tmp_path / f"t-{stored}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("stored,flags,want", [
+    ("bfloat16", ["avx512_bf16"], "bfloat16"),
+    ("bfloat16", ["amx_bf16", "avx512_bf16"], "bfloat16"),
+    ("float16", ["amx_bf16"], "bfloat16"),
+    ("bfloat16", [], "float32"),      # no native bf16: every bf16 GEMM converts, float32 is faster
+    ("float32", ["avx512_bf16"], "float32"),
+    (None, ["avx512_bf16"], "float32"),
+])
+def test_default_dtype_on_cpu_follows_the_checkpoint_where_the_cpu_has_native_bf16(tmp_path, monkeypatch,
+                                                                                   stored, flags, want):
+    import torch
+
+    from sglang_tev import machine
+    from sglang_tev.hf.runtime import default_dtype
+
+    monkeypatch.setattr(machine, "cpu_bf16_flags", lambda: list(flags))
+    assert default_dtype(_checkpoint(tmp_path, stored), torch.device("cpu")) == getattr(torch, want)
+    assert default_dtype(SHIPPED / "target", torch.device("cuda")) == torch.bfloat16
+    # an unreadable config is the loader's error to give, not this function's
+    assert default_dtype(tmp_path / "nowhere", torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("flags", [[], ["avx512_bf16"]])
+def test_from_pretrained_loads_both_models_in_the_default_dtype(monkeypatch, flags):
+    import torch
+
+    from sglang_tev import machine
+
+    monkeypatch.setattr(machine, "cpu_bf16_flags", lambda: list(flags))
+    gen = SpeculativeGenerator.from_pretrained(device="cpu")  # the shipped pair is stored in bf16
+    want = torch.bfloat16 if flags else torch.float32
+    assert gen.target.dtype == want
+    assert {p.dtype for p in gen.drafter.model.parameters()} == {want}
+    # an explicit dtype wins over the default
+    gen = SpeculativeGenerator.from_pretrained(device="cpu", dtype=torch.float32)
+    assert gen.target.dtype == torch.float32
