@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="the sweeps' order (shuffled per sweep)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights dtype (default: the runtime's, hf.runtime.default_dtype)")
     args = p.parse_args(argv)
 
     import torch
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = SpeculativeGenerator.from_pretrained()
+    gen = SpeculativeGenerator.from_pretrained(dtype=None if args.dtype is None else getattr(torch, args.dtype))
     readme = "def fibonacci(n):"
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     he = [x.text if hasattr(x, "text") else x for x in load_prompts("humaneval")][:max(sizes)]
@@ -110,6 +112,7 @@ def main(argv=None) -> int:
     meta = {"command": " ".join([sys.executable, *sys.argv]),
             **machine_info(machine="cpu", cores="cpu_count", threads="torch_threads", torch="torch",
                            transformers="transformers", cpu_model="cpu_model", cpu_bf16="cpu_bf16"),
+            "dtype": str(gen.target.dtype).removeprefix("torch."),
             "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

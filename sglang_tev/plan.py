@@ -316,11 +316,10 @@ class TreePlanner(AutoBudget):
                             tree.valid.to(torch.float64))).tolist()
         per_row, edges = [], []
         for srow, erow, drow, prow, vrow in zip(*host):
-            keep = [t for t in range(1, len(srow)) if vrow[t]]
-            at = {t: j for j, t in enumerate(keep)}
-            per_row.append([srow[t] for t in keep])
-            edges.append(([erow[t] for t in keep], [int(drow[t]) for t in keep],
-                          [at.get(int(prow[t]), -1) for t in keep]))
+            # valid nodes are a prefix (DraftTree): non-root node t is entry t - 1, the root -1
+            nv = int(sum(vrow))
+            per_row.append(srow[1:nv])
+            edges.append((erow[1:nv], [int(d) for d in drow[1:nv]], [int(p) - 1 for p in prow[1:nv]]))
         out = self.refine(plan, per_row, regimes, edges)
         return out, cut_rows(tree, out.budgets)
 
@@ -367,6 +366,8 @@ def cut_tree(tree, n: int):
     Raises:
         ValueError naming ``n`` when it is below 1 (the root).
     """
+    import torch
+
     from .tree import DraftTree
 
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -374,7 +375,13 @@ def cut_tree(tree, n: int):
     n = int(n)
     if n >= tree.num_nodes:
         return tree
-    return DraftTree.from_parents(tree.parents[:, :n], tree.tokens[:, :n], tree.valid[:, :n], validate=False)
+    # a prefix of a best-first tree keeps its nodes' depths and ancestors: slice them (no
+    # pointer jumping again); max_depth is the prefix's own
+    depth = tree.depth[:, :n]
+    valid = tree.valid[:, :n]
+    max_depth = int(torch.where(valid, depth, torch.zeros_like(depth)).max().item()) if n > 1 else 0
+    return DraftTree(tree.parents[:, :n], tree.tokens[:, :n], valid, depth,
+                     tree.ancestor_mask[:, :n, :n].contiguous(), max_depth)
 
 
 def cut_rows(tree, budgets: Sequence[int]):

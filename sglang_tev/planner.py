@@ -100,6 +100,16 @@ def _check_edges(edges, n: int) -> tuple[list[float], list[int], list[int]]:
     if min(len(logq), len(depths), len(parents)) < n:
         raise SpecError("edges", f"need {n} nodes in each of edge_logq, depths, parents, got "
                                  f"{len(logq)}, {len(depths)}, {len(parents)}")
+    logq, depths, parents = logq[:n], depths[:n], parents[:n]
+    # the planner's own rows (ints and finite floats) pass in one sweep each, every round
+    if (all(type(d) is int and d >= 1 for d in depths)
+            and all(type(p) is int and -1 <= p < j for j, p in enumerate(parents))):
+        try:
+            out = [float(x) for x in logq]
+        except (TypeError, ValueError):
+            out = None
+        if out is not None and all(map(math.isfinite, out)):
+            return out, depths, parents
     for j in range(n):
         if isinstance(depths[j], bool) or int(depths[j]) != depths[j] or depths[j] < 1:
             raise SpecError("edges", f"node {j}: depth must be an integer >= 1, got {depths[j]!r}")
@@ -107,7 +117,7 @@ def _check_edges(edges, n: int) -> tuple[list[float], list[int], list[int]]:
             raise SpecError("edges", f"node {j}: parent must be -1 (the root) or an earlier node, got {parents[j]!r}")
         if not math.isfinite(float(logq[j])):
             raise SpecError("edges", f"node {j}: edge_logq must be finite, got {logq[j]!r}")
-    return [float(x) for x in logq[:n]], [int(d) for d in depths[:n]], [int(p) for p in parents[:n]]
+    return [float(x) for x in logq], [int(d) for d in depths], [int(p) for p in parents]
 
 
 def _antitone(means: list[float], weights: list[float]) -> list[float]:
@@ -205,12 +215,16 @@ class ReachCalibration:
         self._fit.pop(regime, None)
         if checked is None:
             return
+        tables: dict[int, tuple[list[float], list[float]]] = {}  # per depth: (means, counts), found once
         for j, (e, d, par) in enumerate(zip(*checked)):
             above = 1.0 if par < 0 else min(1.0, max(0.0, reach[par]))
             if ok[j] and (par < 0 or ok[par]) and above > 1e-6:
-                key = edge_key(regime, d)
-                self._fold(*self._regime(key), e, min(1.0, max(0.0, reach[j])) / above, above)
-                self._fit.pop(key, None)
+                t = tables.get(d)
+                if t is None:
+                    key = edge_key(regime, d)
+                    t = tables[d] = self._regime(key)
+                    self._fit.pop(key, None)
+                self._fold(*t, e, min(1.0, max(0.0, reach[j])) / above, above)
 
     def table(self, regime: str) -> list[float]:
         """The fitted reach per bin of ``regime`` (non-increasing; the prior before any label)."""
@@ -236,10 +250,13 @@ class ReachCalibration:
             t = self.table(regime)
             return [t[_bin(float(s))] for s in scores]
         out: list[float] = []
+        tables: dict[int, list[float]] = {}  # per capped depth: its edge table, read once a call
         for e, d, par in zip(*_check_edges(edges, len(scores))):
-            above = 1.0 if par < 0 else out[par]
-            key = edge_key(regime, d)
-            out.append(above * (self.table(key) if key in self.means else _PRIORS)[_bin(float(e))])
+            t = tables.get(d)
+            if t is None:
+                key = edge_key(regime, d)
+                t = tables[d] = self.table(key) if key in self.means else _PRIORS
+            out.append((1.0 if par < 0 else out[par]) * t[_bin(e)])
         return _antitone(out, [1.0] * len(out))
 
     # ------------------------------------------------------------ what the node values miss

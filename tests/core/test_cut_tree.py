@@ -24,6 +24,25 @@ def test_a_cut_is_the_smaller_budgets_tree():
     assert cut_tree(full, 17) is full and cut_tree(full, 100) is full
 
 
+def test_a_cut_reads_the_same_depths_ancestors_and_max_depth_as_a_rebuilt_tree():
+    """cut_tree slices depth and the ancestor mask instead of rebuilding them: every field equals
+    DraftTree.from_parents over the sliced parents, tokens and valid mask, rows with padded tails
+    (a tree with fewer nodes than the width) included."""
+    from sglang_tev.tree import DraftTree
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 7, 3, generator=g) * 4
+    # row 2 stops at depth 2: 3 + 9 nodes, a tree padded past its nodes
+    full = build_ddtree(logits, 40, torch.tensor([0, 1, 2]), depth_limit=torch.tensor([6, 6, 2]))
+    assert not bool(full.valid.all())  # padded tails are part of the case
+    for n in range(1, full.num_nodes):
+        cut = cut_tree(full, n)
+        ref = DraftTree.from_parents(full.parents[:, :n], full.tokens[:, :n], full.valid[:, :n])
+        for name in ("parents", "tokens", "valid", "depth", "ancestor_mask"):
+            assert torch.equal(getattr(cut, name), getattr(ref, name)), (n, name)
+        assert cut.max_depth == ref.max_depth
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, None, math.inf, math.nan, "3"])
 def test_a_bad_n_is_one_clear_error(bad):
     tree = build_ddtree(torch.randn(1, 7, 20), 8, torch.tensor([1]))
