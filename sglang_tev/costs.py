@@ -161,7 +161,8 @@ class CostTable:
     def cost(self, batch: int, budget: int) -> float | None:
         """Seconds of a round at (batch, budget), in the table's scale (seconds at load 1: only
         ratios between budgets matter): plain decoding (budget 0) measured, never
-        extrapolated (it has no draft); a tree budget from the monotone fit over this batch
+        extrapolated (it has no draft), and read no higher than the cheapest tree's fitted cost
+        at the batch size (:meth:`_plain`); a tree budget from the monotone fit over this batch
         size's measured tree budgets (one measured budget: that one only). A batch size with
         nothing for ``budget`` borrows from the nearest batch size n that has it (a batch that
         shrinks as rows finish needs no new calibration): where the lender has a plain round, its
@@ -182,18 +183,33 @@ class CostTable:
             self._memo[key] = c
         return self._memo[key]
 
-    def _at(self, batch: int, budget: int) -> float | None:
-        row = self.seconds.get(batch, {})
-        if budget == 0:
-            return row.get(0)
+    def _fit(self, batch: int) -> list[tuple[int, float]]:
+        """The monotone fit over this batch size's measured tree budgets (settled ones only once
+        two are), memoized until the table changes."""
         fit = self._memo.get(("fit", batch))
         if fit is None:
-            cnt = self.counts.get(batch, {})
+            row, cnt = self.seconds.get(batch, {}), self.counts.get(batch, {})
             trees = [b for b in row if b > 0]
             settled = [b for b in trees if not self.provisional(batch, b)]
             pts = sorted((b, row[b], min(self.window, max(1, cnt.get(b, 1))))
                          for b in (settled if len(settled) >= 2 else trees))
             fit = self._memo[("fit", batch)] = _monotone(pts)
+        return fit
+
+    def _plain(self, batch: int) -> float | None:
+        """This batch size's plain round, read no higher than its cheapest tree round: a tree
+        round runs a plain round's forward and a draft, so a plain time above it is a stalled
+        measurement (one calibration round, timed while something else ran), and read as is it
+        would price the across probes that re-time it out of the allowance for good (measured on
+        the shipped pair at batch 8, T = 1: 3,000 tree rounds at 0.57x plain decoding)."""
+        c = self.seconds.get(batch, {}).get(0)
+        fit = self._fit(batch)
+        return c if c is None or not fit else min(c, fit[0][1])
+
+    def _at(self, batch: int, budget: int) -> float | None:
+        if budget == 0:
+            return self._plain(batch)
+        fit = self._fit(batch)
         if not fit:
             return None
         if len(fit) == 1:
@@ -207,7 +223,7 @@ class CostTable:
             # A guess that errs low is timed as soon as it is chosen; one that erred high (held
             # flat on a CPU, where every node costs) would keep the smaller trees from ever
             # being chosen, hence timed
-            plain = row.get(0)
+            plain = self._plain(batch)
             if plain is None:
                 return y0
             slope = (fit[-1][1] - fit[0][1]) / (fit[-1][0] - fit[0][0])

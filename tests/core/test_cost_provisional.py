@@ -139,3 +139,46 @@ def test_a_restored_pairs_first_round_here_is_dropped_when_its_second_arrives():
     t.record(1, 8, 0.5)  # its first round here: allocates
     t.record(1, 8, 0.012)
     assert t.seconds[1][8] == 0.012 and t.counts[1][8] == 122
+
+
+def test_a_stalled_plain_round_cannot_keep_plain_decoding_out():
+    """Measured on the shipped pair at batch 8, T = 1: the one plain round calibration times is
+    the cost of plain decoding until an across probe re-times it, and the probe is priced from
+    that cost. A stalled calibration round (here 0.5 s against 10 ms) read as is priced the probe
+    out of the allowance for good: 3,000 tree rounds at 0.57x plain decoding. A plain round is
+    read no higher than the cheapest tree's (a tree round runs a plain round's forward and a
+    draft), so the probe runs, re-times it, and plain decoding wins."""
+    grid = (0, 2, 4, 8, 16, 32, 64)
+    table = CostTable(load_correction=False)
+    ctl = BudgetController(grid, table)
+
+    def seconds(b: int) -> float:
+        return 0.010 if b == 0 else 0.020 + 0.0002 * b
+
+    plain_rounds, picks = 0, []
+    for _ in range(3000):
+        b = ctl.choose(8)
+        picks.append(b)
+        s = seconds(b)
+        if b == 0:
+            plain_rounds += 1
+            if plain_rounds == 2:  # calibration's timed plain round (the first one is a switch round)
+                s = 0.5
+        cum = [[0.5 * (1 - math.exp(-g / 4.0)) for g in ctl.grid_upto(b)] for _ in range(8)] if b else None
+        ctl.observe(8, b, cum, s)
+    assert table.seconds[8][0] < 0.02  # re-timed: the stall is gone from the median
+    assert picks[-1000:].count(0) >= 950
+
+
+def test_a_plain_round_is_read_no_higher_than_the_cheapest_tree():
+    t = CostTable(load_correction=False)
+    t.record(4, 0, 0.300)  # stalled
+    assert t.cost(4, 0) == 0.300  # no tree timed: as measured
+    t.record(4, 16, 0.030)
+    t.record(4, 64, 0.050)
+    assert t.cost(4, 0) == pytest.approx(0.030)
+    assert t.cost(4, 4) == pytest.approx(0.030)  # below the smallest tree: not below plain (capped too)
+    u = CostTable(load_correction=False)
+    u.record(4, 0, 0.010)
+    u.record(4, 16, 0.030)
+    assert u.cost(4, 0) == 0.010  # a plain round below the trees is read as measured
