@@ -180,6 +180,8 @@ class CostTable:
                     plain, lender_plain = self.cost(batch, 0), self._at(n, 0)
                     if plain and lender_plain:
                         c = plain * c / lender_plain
+                elif c is not None and batch in self.seconds and (fit := self._fit(batch)):
+                    c = min(c, fit[0][1])  # a lent plain round, too, no higher than a tree round here
             self._memo[key] = c
         return self._memo[key]
 
@@ -199,9 +201,10 @@ class CostTable:
     def _plain(self, batch: int) -> float | None:
         """This batch size's plain round, read no higher than its cheapest tree round: a tree
         round runs a plain round's forward and a draft, so a plain time above it is a stalled
-        measurement (one calibration round, timed while something else ran), and read as is it
-        would price the across probes that re-time it out of the allowance for good (measured on
-        the shipped pair at batch 8, T = 1: 3,000 tree rounds at 0.57x plain decoding)."""
+        measurement, and read as is it would price the across probes that re-time it out of the
+        allowance for good. Measured: a benchmark's plan cache held batch 1's plain round at 63 ms
+        (three cold rounds; its trees 10-15 ms), every other batch size borrowed it (:meth:`cost`),
+        and at batch 8, T = 1 auto ran 3,000 tree rounds at 0.57x plain decoding, never a plain one."""
         c = self.seconds.get(batch, {}).get(0)
         fit = self._fit(batch)
         return c if c is None or not fit else min(c, fit[0][1])

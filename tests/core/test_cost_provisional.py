@@ -142,12 +142,13 @@ def test_a_restored_pairs_first_round_here_is_dropped_when_its_second_arrives():
 
 
 def test_a_stalled_plain_round_cannot_keep_plain_decoding_out():
-    """Measured on the shipped pair at batch 8, T = 1: the one plain round calibration times is
-    the cost of plain decoding until an across probe re-times it, and the probe is priced from
-    that cost. A stalled calibration round (here 0.5 s against 10 ms) read as is priced the probe
-    out of the allowance for good: 3,000 tree rounds at 0.57x plain decoding. A plain round is
-    read no higher than the cheapest tree's (a tree round runs a plain round's forward and a
-    draft), so the probe runs, re-times it, and plain decoding wins."""
+    """The one plain round calibration times is the cost of plain decoding until an across probe
+    re-times it, and the probe is priced from that cost. A stalled round (here 0.5 s against
+    10 ms) read as is priced the probe out of the allowance for good (measured: batch 1's plain
+    round read 63 ms from cold rounds, every batch size borrowed it, and batch 8 at T = 1 ran
+    3,000 tree rounds at 0.57x plain decoding). A plain round is read no higher than the cheapest
+    tree's (a tree round runs a plain round's forward and a draft), so the probe runs, re-times
+    it, and plain decoding wins."""
     grid = (0, 2, 4, 8, 16, 32, 64)
     table = CostTable(load_correction=False)
     ctl = BudgetController(grid, table)
@@ -182,3 +183,16 @@ def test_a_plain_round_is_read_no_higher_than_the_cheapest_tree():
     u.record(4, 0, 0.010)
     u.record(4, 16, 0.030)
     assert u.cost(4, 0) == 0.010  # a plain round below the trees is read as measured
+    # a plain round lent from another batch size (the case measured: batch 1's plain read 63 ms from
+    # three cold rounds, trees 10-15 ms, and every other batch size borrowed it)
+    v = CostTable(load_correction=False)
+    v.record(1, 0, 0.063)
+    v.record(1, 8, 0.010)
+    v.record(1, 16, 0.0116)
+    v.record(8, 8, 0.0277)
+    assert v.cost(1, 0) == pytest.approx(0.010)  # the lender's own, capped
+    assert v.cost(8, 0) == pytest.approx(0.010)  # lent, and no higher than batch 8's trees
+    w = CostTable(load_correction=False)
+    w.record(1, 0, 0.063)
+    w.record(8, 8, 0.0277)
+    assert w.cost(8, 0) == pytest.approx(0.0277)  # the lender has no tree: capped by the borrower's
