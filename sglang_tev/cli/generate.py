@@ -121,10 +121,12 @@ def _check_generate_args(args) -> None:
             raise UsageError("--cost-table", f"applies to --budget auto only, got --budget {args.budget}")
         from ..costs import CostTable
 
+        path = args.cost_table
         try:
-            args.cost_table = CostTable.load(args.cost_table, frozen=True)
+            args.cost_table = CostTable.load(path, frozen=True)
         except ValueError as e:
             raise UsageError("--cost-table", _strip_name(str(e))) from None
+        args.cost_table_file = (path, _table_dtype(path))
     if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
         raise UsageError("--repetition-penalty", f"must be a finite number > 0, got {args.repetition_penalty}")
     for flag, v in (("--frequency-penalty", args.frequency_penalty), ("--presence-penalty", args.presence_penalty)):
@@ -255,6 +257,26 @@ def _use_cost_table(gen, args) -> None:
         return
     gen.cost_table = args.cost_table  # loaded and checked by _check_generate_args (the generator
     # replaces each controller built on another table)
+    path, timed = getattr(args, "cost_table_file", (None, None))
+    dtype = str(gen.target.dtype).removeprefix("torch.")
+    if timed is not None and timed != dtype:
+        print(f"{PROG} generate: warning: --cost-table {path} was timed with {timed} weights and this run loads "
+              f"{dtype}: its round times are another dtype's (pass --dtype {timed}, or re-run sglang-tev tune)",
+              file=sys.stderr, flush=True)
+
+
+def _table_dtype(path) -> str | None:
+    """The weights' dtype ``sglang-tev tune`` recorded in a cost-table file's ``meta`` (None: not
+    recorded, e.g. a bare table or one written before tune recorded it)."""
+    import json
+    from pathlib import Path
+
+    try:
+        meta = json.loads(Path(path).read_text()).get("meta")
+    except (OSError, ValueError, AttributeError):
+        return None
+    dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    return dtype if isinstance(dtype, str) else None
 
 
 def run(args, argv: list[str]) -> int:

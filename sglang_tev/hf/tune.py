@@ -174,11 +174,13 @@ def format_tune(result: dict) -> str:
     return "\n".join(lines)
 
 
-def tune_meta(argv: Sequence[str]) -> dict:
-    """Command, machine and versions recorded beside the results."""
+def tune_meta(argv: Sequence[str], dtype: str | None = None) -> dict:
+    """Command, machine, versions and the weights' dtype (``"bfloat16"``; round times are a
+    dtype's: ``generate --cost-table`` warns when it loads another) recorded beside the results."""
     return {"command": " ".join(["sglang-tev", *argv]),
             **machine_info("python", machine="cpu", cores="cpu_count", threads="torch_threads", torch="torch",
                            transformers="transformers", cuda="gpu"),
+            "dtype": dtype,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -917,8 +917,17 @@ def test_cli_tune_writes_a_cost_table_that_generate_reads(tmp_path, capsys):
     assert data["meta"]["command"].startswith("sglang-tev tune") and len(data["best"]) == 2
     assert set(data["cost_table"]["seconds"]) == {"1", "2"}
     assert main(argv) == 2 and "--output" in capsys.readouterr().err  # exists: refused
+    assert data["meta"]["dtype"] in ("float32", "bfloat16")  # the default dtype of this machine
     assert main(["generate", "--cost-table", str(out), "--max-new-tokens", "12", "--ignore-eos", "def f(x):"]) == 0
-    assert "budget=auto [" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "budget=auto [" in err and "warning" not in err  # the dtype it was timed in
+    # a table timed in another dtype is read (the user chose it) with one warning naming both
+    data["meta"]["dtype"] = "float16"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    assert main(["generate", "--cost-table", str(other), "--max-new-tokens", "4", "def f(x):"]) == 0
+    err = capsys.readouterr().err
+    assert f"--cost-table {other} was timed with float16 weights and this run loads" in err and "budget=auto [" in err
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     for argv, flag in ((["generate", "--cost-table", str(bad), "x"], "--cost-table"),
