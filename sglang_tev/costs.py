@@ -14,7 +14,11 @@ from pathlib import Path
 
 from .spec import MAX_BUDGET
 
-__all__ = ["CostTable"]
+__all__ = ["CostTable", "RESTORED_MIN_ROUNDS"]
+
+RESTORED_MIN_ROUNDS = 3
+"""Rounds a tree cost restored from a plan cache (``CostTable.from_json(frozen=False)``) must have
+been timed in; fewer, and it is left out and timed again."""
 
 
 def _monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
@@ -239,8 +243,9 @@ class CostTable:
 
     @classmethod
     def from_json(cls, data: dict, frozen: bool = True) -> "CostTable":
-        """A table written by :meth:`to_json` (``sglang-tev tune --output``). Raises ``ValueError``
-        naming ``cost_table`` for a malformed one."""
+        """A table written by :meth:`to_json` (``sglang-tev tune --output``, or a plan cache with
+        ``frozen=False``: then tree costs timed in fewer than :data:`RESTORED_MIN_ROUNDS` rounds are
+        left out). Raises ``ValueError`` naming ``cost_table`` for a malformed one."""
         shape = "a JSON object {\"seconds\": {batch size: {budget: seconds per round}}}"
         if not isinstance(data, dict) or not isinstance(data.get("seconds"), dict):
             raise ValueError(f"cost_table: not a cost table (expected {shape})")
@@ -258,6 +263,15 @@ class CostTable:
             raise ValueError(f"cost_table: batch sizes must be >= 1 and budgets in 0..{MAX_BUDGET}")
         if not any(any(b > 0 for b in r) for r in sec.values()):
             raise ValueError("cost_table: holds no tree budget (> 0) at any batch size; nothing to choose from")
+        if not frozen:
+            # a restored tree cost timed in fewer than RESTORED_MIN_ROUNDS rounds (a calibration
+            # round, a probe) is left out: the controller times it again here. Kept, one cold round
+            # of a busy minute held every tree at 10-50x plain decoding and no probe could pay to
+            # re-time it, run after run
+            sec = {b: {k: v for k, v in r.items() if k == 0 or cnt.get(b, {}).get(k, 0) >= RESTORED_MIN_ROUNDS}
+                   for b, r in sec.items()}
+            cnt = {b: {k: v for k, v in r.items() if k in sec.get(b, {})} for b, r in cnt.items()}
+            sec = {b: r for b, r in sec.items() if r}
         table = cls(sec, cnt, frozen=frozen)
         if frozen:  # a tuned table is the truth it is run with; a restored one is re-timed here
             table._settled = {(b, k) for b, r in sec.items() for k in r}

@@ -196,3 +196,24 @@ def test_a_plain_round_is_read_no_higher_than_the_cheapest_tree():
     w.record(1, 0, 0.063)
     w.record(8, 8, 0.0277)
     assert w.cost(8, 0) == pytest.approx(0.0277)  # the lender has no tree: capped by the borrower's
+
+
+def test_a_restored_tree_cost_from_one_cold_round_is_timed_again():
+    """A fresh-user review's case: one run on a busy machine left the plan cache with every tree
+    timed once, 10-50x plain decoding (plain itself re-timed over 749 rounds), and every later
+    process ran plain decoding only: no across probe could pay to re-time a tree that costly. Tree
+    costs timed in fewer than RESTORED_MIN_ROUNDS rounds are left out of a restored table, so the
+    next process times them again and runs the trees that win."""
+    from sglang_tev.costs import RESTORED_MIN_ROUNDS
+
+    data = {"seconds": {"1": {"0": 0.0100, "16": 0.26, "24": 0.088, "64": 0.135}},
+            "counts": {"1": {"0": 749, "16": 1, "24": 1, "64": 1}}}
+    grid = (0, 2, 4, 8, 16, 24, 32, 48, 64)
+    restored = CostTable.from_json(data, frozen=False)
+    assert restored.seconds == {1: {0: 0.0100}} and RESTORED_MIN_ROUNDS == 3
+    picks = _serve(BudgetController(grid, restored), 600)
+    assert picks[-200:].count(0) <= 20  # the trees win here (32 nodes: ~1.7x plain's rate)
+    kept = CostTable.from_json(data, frozen=True)  # a tuned table is read as it is
+    assert kept.seconds[1][16] == 0.26
+    data["counts"]["1"]["24"] = 3  # timed in enough rounds: restored
+    assert 24 in CostTable.from_json(data, frozen=False).seconds[1]
