@@ -361,7 +361,9 @@ class TreePlanner(AutoBudget):
 
 def cut_tree(tree, n: int):
     """The first ``n`` nodes of a best-first ``DraftTree`` (its budget ``n - 1`` tree: a node's
-    parent always comes before it); the tree itself when it has ``n`` nodes or fewer.
+    parent always comes before it); the tree itself when it has ``n`` nodes or fewer. Its
+    ``parents`` / ``tokens`` / ``valid`` / ``depth`` are views of the input tree's (trees are not
+    written in place; copy before doing so).
 
     Raises:
         ValueError naming ``n`` when it is below 1 (the root).

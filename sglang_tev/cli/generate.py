@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..spec import DRAFT_MODES, VERIFIERS, SpecError, check_budget, is_greedy
-from .args import METHODS, PROG, UsageError, _add_model_args, _at_least, _budget, _strip_name, _usage_from
+from .args import DTYPES, METHODS, PROG, UsageError, _add_model_args, _at_least, _budget, _strip_name, _usage_from
 from .common import TextStreamer, _load, _model_paths
 
 GENERATE_EXAMPLES = """\
@@ -260,9 +260,9 @@ def _use_cost_table(gen, args) -> None:
     path, timed = getattr(args, "cost_table_file", (None, None))
     dtype = str(gen.target.dtype).removeprefix("torch.")
     if timed is not None and timed != dtype:
+        fix = f"pass --dtype {timed}, or re-run sglang-tev tune" if timed in DTYPES else "re-run sglang-tev tune"
         print(f"{PROG} generate: warning: --cost-table {path} was timed with {timed} weights and this run loads "
-              f"{dtype}: its round times are another dtype's (pass --dtype {timed}, or re-run sglang-tev tune)",
-              file=sys.stderr, flush=True)
+              f"{dtype}: its round times are another dtype's ({fix})", file=sys.stderr, flush=True)
 
 
 def _table_dtype(path) -> str | None:

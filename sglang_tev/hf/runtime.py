@@ -107,16 +107,19 @@ def default_dtype(target, device: torch.device) -> torch.dtype:
 
     CUDA: bfloat16. CPU: the checkpoint's own half precision (``dtype`` / ``torch_dtype`` in the
     target's ``config.json``: bfloat16 or float16) as **bfloat16** when the CPU computes bf16
-    natively (``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo``, as HF transformers and vLLM
-    load a checkpoint in its dtype), else float32: without native bf16 every bf16 GEMM goes through
+    natively (``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo``; HF transformers and vLLM load
+    a checkpoint in its own half precision too; an fp16 one runs as bf16 here, the CPU's native
+    half type), else float32: without native bf16 every bf16 GEMM goes through
     conversions and a verify forward of 17 tokens costs ~4.8x one token against ~2x in float32
     (``docs/benchmarks.md``); with it, 1.3x against 1.6x, so trees pay more often. A float32
     checkpoint, a config without a dtype, or one that cannot be read: float32.
 
     Args:
         target: the target model directory.
-        device: where the models go.
-    Returns a torch dtype. Raises nothing (an unreadable config is the loader's error to give)."""
+        device: where the models go (a ``torch.device`` or its string).
+    Returns a torch dtype. Raises nothing: a config transformers cannot read (or whose dtype it
+    does not know) reads float32, and the loader then gives its own error."""
+    device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16
     if device.type != "cpu":
@@ -127,7 +130,7 @@ def default_dtype(target, device: torch.device) -> torch.dtype:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(target)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - transformers raises several kinds for a bad config; the loader reports it
         return torch.float32
     stored = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if isinstance(stored, str):

@@ -117,3 +117,17 @@ def test_from_pretrained_loads_both_models_in_the_default_dtype(monkeypatch, fla
     # an explicit dtype wins over the default
     gen = SpeculativeGenerator.from_pretrained(device="cpu", dtype=torch.float32)
     assert gen.target.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stored", ["bf16", "torch.bfloat16", "auto"])
+def test_default_dtype_reads_float32_for_a_dtype_transformers_cannot_read(tmp_path, monkeypatch, stored):
+    """transformers raises on such a config (AttributeError); the default is float32 and the loader
+    then gives its own error. A device given as a string is read as one."""
+    import torch
+
+    from sglang_tev import machine
+    from sglang_tev.hf.runtime import default_dtype
+
+    monkeypatch.setattr(machine, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    assert default_dtype(_checkpoint(tmp_path, stored), "cpu") == torch.float32
+    assert default_dtype(SHIPPED / "target", "cpu") == torch.bfloat16
