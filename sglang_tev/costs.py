@@ -184,8 +184,8 @@ class CostTable:
                     plain, lender_plain = self.cost(batch, 0), self._at(n, 0)
                     if plain and lender_plain:
                         c = plain * c / lender_plain
-                elif c is not None and batch in self.seconds and (fit := self._fit(batch)):
-                    c = min(c, fit[0][1])  # a lent plain round, too, no higher than a tree round here
+                elif c is not None and (floor := self._tree_floor(batch, c)) is not None:
+                    c = min(c, floor)  # a lent plain round, too, no higher than a tree round here
             self._memo[key] = c
         return self._memo[key]
 
@@ -210,8 +210,24 @@ class CostTable:
         (three cold rounds; its trees 10-15 ms), every other batch size borrowed it (:meth:`cost`),
         and at batch 8, T = 1 auto ran 3,000 tree rounds at 0.57x plain decoding, never a plain one."""
         c = self.seconds.get(batch, {}).get(0)
-        fit = self._fit(batch)
-        return c if c is None or not fit else min(c, fit[0][1])
+        floor = self._tree_floor(batch, c)
+        return c if c is None or floor is None else min(c, floor)
+
+    def _tree_floor(self, batch: int, plain: float | None) -> float | None:
+        """The cheapest tree round this batch size reads: its own fit's, else (no tree timed here)
+        that of the nearest batch size with one, as :meth:`cost` lends it: unscaled when the
+        lender or this batch size has no plain round (with both, the lent trees are read as the
+        lender's ratio to its plain round times ``plain``, never below it: no floor needed). None
+        when no batch size has a tree."""
+        fit = self._fit(batch) if batch in self.seconds else []
+        if fit:
+            return fit[0][1]
+        n = next((b for b in sorted(self.seconds, key=lambda x: (abs(x - batch), x)) if b != batch and self._fit(b)), None)
+        if n is None:
+            return None
+        if plain is not None and self._plain(n) is not None:
+            return None
+        return self._fit(n)[0][1]
 
     def _at(self, batch: int, budget: int) -> float | None:
         if budget == 0:

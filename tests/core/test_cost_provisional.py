@@ -196,6 +196,15 @@ def test_a_plain_round_is_read_no_higher_than_the_cheapest_tree():
     w.record(1, 0, 0.063)
     w.record(8, 8, 0.0277)
     assert w.cost(8, 0) == pytest.approx(0.0277)  # the lender has no tree: capped by the borrower's
+    # a batch size with neither (a shrinking batch): plain lent from batch 1, trees from batch 8
+    # (unscaled: batch 8 has no plain round): plain is read no higher than those trees (a review's case)
+    x = CostTable.from_json({"seconds": {"1": {"0": 0.063, "16": 0.05}, "8": {"16": 0.02, "32": 0.025}}})
+    for b in (6, 7, 8):
+        assert x.cost(b, 0) <= x.cost(b, 16) == pytest.approx(0.02), b
+    assert x.cost(1, 0) == pytest.approx(0.05)  # its own tree
+    # with plain rounds on both sides the lent trees are scaled by them: no floor, plain as lent
+    y = CostTable.from_json({"seconds": {"1": {"0": 0.006, "16": 0.010}, "8": {"0": 0.011}}})
+    assert y.cost(8, 0) == pytest.approx(0.011) and y.cost(8, 16) == pytest.approx(0.011 * 0.010 / 0.006)
 
 
 def test_a_restored_tree_cost_from_one_cold_round_is_timed_again():
