@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     meta = {"command": " ".join([sys.executable, *sys.argv]),
             **machine_info(machine="cpu", cores="cpu_count", threads="torch_threads", torch="torch",
                            transformers="transformers", cpu_model="cpu_model", cpu_bf16="cpu_bf16"),
-            "dtype": str(gen.target.dtype).removeprefix("torch."),
+            "dtype": gen.dtype_name,
             "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

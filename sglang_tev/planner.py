@@ -215,10 +215,11 @@ class ReachCalibration:
         self._fit.pop(regime, None)
         if checked is None:
             return
-        tables: dict[int, tuple[list[float], list[float]]] = {}  # per depth: (means, counts), found once
+        tables: dict[int, tuple[list[float], list[float]]] = {}  # per capped depth: (means, counts), found once
         for j, (e, d, par) in enumerate(zip(*checked)):
             above = 1.0 if par < 0 else min(1.0, max(0.0, reach[par]))
             if ok[j] and (par < 0 or ok[par]) and above > 1e-6:
+                d = min(d, MAX_DEPTH_KEY)
                 t = tables.get(d)
                 if t is None:
                     key = edge_key(regime, d)
@@ -252,6 +253,7 @@ class ReachCalibration:
         out: list[float] = []
         tables: dict[int, list[float]] = {}  # per capped depth: its edge table, read once a call
         for e, d, par in zip(*_check_edges(edges, len(scores))):
+            d = min(d, MAX_DEPTH_KEY)
             t = tables.get(d)
             if t is None:
                 key = edge_key(regime, d)

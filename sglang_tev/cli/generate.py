@@ -258,7 +258,7 @@ def _use_cost_table(gen, args) -> None:
     gen.cost_table = args.cost_table  # loaded and checked by _check_generate_args (the generator
     # replaces each controller built on another table)
     path, timed = getattr(args, "cost_table_file", (None, None))
-    dtype = str(gen.target.dtype).removeprefix("torch.")
+    dtype = gen.dtype_name
     if timed is not None and timed != dtype:
         fix = f"pass --dtype {timed}, or re-run sglang-tev tune" if timed in DTYPES else "re-run sglang-tev tune"
         print(f"{PROG} generate: warning: --cost-table {path} was timed with {timed} weights and this run loads "

@@ -91,6 +91,6 @@ def run(args, argv: list[str]) -> int:
         raise _usage_from(e, "--budgets") from None
     print(format_tune(result))
     if out is not None:
-        write_tune(out, result, tune_meta(argv, dtype=str(gen.target.dtype).removeprefix("torch.")))
+        write_tune(out, result, tune_meta(argv, dtype=gen.dtype_name))
         print(f"[{PROG}] wrote {out} (its cost table: sglang-tev generate --cost-table {out})", file=sys.stderr)
     return 0

@@ -340,7 +340,7 @@ def _meta(generator, command, extra, settings) -> dict:
         "machine": _machine(),
         "versions": {"sglang_tev": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "device": str(generator.device),
-        "dtype": str(generator.target.dtype).removeprefix("torch."),
+        "dtype": generator.dtype_name,
         "target_path": getattr(generator.config, "_name_or_path", None),  # the CLI's own value overrides
         "max_positions": generator.max_positions,
         "block_size": getattr(generator.drafter, "block_size", None),

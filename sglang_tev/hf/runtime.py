@@ -306,6 +306,11 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------ helpers
     @property
+    def dtype_name(self) -> str:
+        """The target's weights dtype as result files and cost tables record it (``"bfloat16"``)."""
+        return str(self.target.dtype).removeprefix("torch.")
+
+    @property
     def max_positions(self) -> int:
         return self._target.max_positions
 
