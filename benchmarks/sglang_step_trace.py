@@ -61,25 +61,44 @@ def _generate(host, temperature: float, n: int) -> dict:
 
 
 def summarize(lines: list[str]) -> dict:
-    """Median work / gap (ms) per decode step from the trace lines, with the steps' tokens.
+    """Median work / gap (ms) per decode step from the trace lines, with the steps' tokens, overall
+    and per round width.
 
     Args:
-        lines: ``kind t0 t1 mode bs tokens`` per worker call, in call order.
+        lines: ``kind t0 t1 mode bs tokens [width]`` per worker call, in call order
+            (``step_hooks.install_step_trace``).
     Returns:
         dict with ``steps``, ``work_ms``, ``gap_ms``, ``step_ms`` (their sum), ``tokens_per_step``
-        (per request), or ``{"steps": 0}`` when no two decode steps followed each other.
+        (per request) and ``by_width``: per round width (0 = a plain step) the same medians and
+        ``start_ms``, the median interval from the step's start to the next one's (what a client
+        sees per step); ``{"steps": 0}`` when no two decode steps followed each other.
     """
-    rows = [(float(a), float(b), m, int(bs), int(t)) for _, a, b, m, bs, t in (x.split() for x in lines)]
-    work, gap, toks = [], [], []
+    rows = []
+    for x in lines:
+        f = x.split()
+        rows.append((float(f[1]), float(f[2]), f[3], int(f[4]), int(f[5]), int(f[6]) if len(f) > 6 else -1))
+    work, gap, toks, per = [], [], [], {}
     for cur, nxt in zip(rows, rows[1:]):
         if cur[2] == "d" and nxt[2] == "d":
-            work.append(1e3 * (cur[1] - cur[0]))
-            gap.append(1e3 * (nxt[0] - cur[1]))
+            w, g = 1e3 * (cur[1] - cur[0]), 1e3 * (nxt[0] - cur[1])
+            work.append(w)
+            gap.append(g)
             toks.append(cur[4] / max(1, cur[3]))
+            d = per.setdefault(cur[5], {"work": [], "gap": [], "toks": []})
+            d["work"].append(w)
+            d["gap"].append(g)
+            d["toks"].append(cur[4] / max(1, cur[3]))
     if not work:
         return {"steps": 0}
     w, g = statistics.median(work), statistics.median(gap)
-    return {"steps": len(work), "work_ms": w, "gap_ms": g, "step_ms": w + g, "tokens_per_step": statistics.fmean(toks)}
+    by_width = {
+        str(k): {"steps": len(d["work"]), "work_ms": statistics.median(d["work"]), "gap_ms": statistics.median(d["gap"]),
+                 "start_ms": statistics.median([a + b for a, b in zip(d["work"], d["gap"])]),
+                 "tokens_per_step": statistics.fmean(d["toks"])}
+        for k, d in sorted(per.items())
+    }
+    return {"steps": len(work), "work_ms": w, "gap_ms": g, "step_ms": w + g, "tokens_per_step": statistics.fmean(toks),
+            "by_width": by_width}
 
 
 def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
@@ -160,6 +179,10 @@ def main(argv=None) -> int:
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
         print(f"{r['mode']:>14} {r['work_ms']:8.2f} {r['gap_ms']:7.2f} {r['step_ms']:8.2f} {ratio:>8} "
               f"{r['tokens_per_step']:8.2f} {r['tok_s']:7.1f}")
+        if len(r.get("by_width", {})) > 1:
+            for k, d in r["by_width"].items():
+                print(f"{'width ' + k:>14} {d['work_ms']:8.2f} {d['gap_ms']:7.2f} {d['start_ms']:8.2f} {'':>8} "
+                      f"{d['tokens_per_step']:8.2f} {d['steps']:>5} steps")
     if args.output:
         from sglang_tev.machine import machine_info
 

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["TorchStackedKV", "stacked_kv_refusal", "install_context_kv_writer"]
+__all__ = ["TorchStackedKV", "PendingDraftKV", "stacked_kv_refusal", "install_context_kv_writer"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,3 +184,95 @@ def install_context_kv_writer(worker) -> str:
     worker._fused_kv_helper = TorchStackedKV(worker.draft_model.layers, max_position)
     worker._use_fused_kv_materialize = True
     return "stacked (torch)"
+
+
+class PendingDraftKV:
+    """The drafter-KV writes of plain decoding steps, held until the drafter next needs its KV.
+
+    A plain step (``SGLANG_TEV_BUDGET=auto``, budget 0) drafts nothing, yet each committed token's
+    drafter K/V must be in the pool before the next draft forward reads it. Written one token per
+    request per step, that write was ~0.65 ms of an ~11 ms plain step on the CPU server (the
+    target's features through the drafter's ``fc`` projection, then every layer's K/V); held and
+    written at once, a streak of plain steps pays it about once. The worker (``worker.py``) flushes
+    the held writes, in the order they were made, before anything else can read or write the
+    drafter's pool: before a round that drafts, before every prefill / extend / idle call, and
+    once :attr:`max_steps` steps are held.
+
+    Why the pool stays right: a slot freed between steps (a finished, aborted or retracted
+    request) and given to another request is written by its new owner later than by the held
+    write: in a call that flushes first, or in a later plain step, whose write is held behind it
+    and supersedes it (:meth:`take` drops the older of two held writes to one slot: one scatter
+    with a repeated index has no defined winner on CUDA). And what the drafter's KV holds never
+    changes what a request emits: drafts only propose, the verifier decides (a stale drafter KV
+    could cost accept length, never exactness).
+
+    Args:
+        max_steps: plain steps held at most before :attr:`full` (an integer >= 1).
+        max_rows: rows (requests x steps) held at most before :attr:`full` (an integer >= 1): the
+            held features are [rows, F] in the target's dtype (F = captured layers x hidden size:
+            40 KiB a row for five layers of a 4096-wide bf16 target).
+    Raises:
+        ValueError naming ``max_steps`` or ``max_rows``.
+    """
+
+    def __init__(self, max_steps: int = 32, max_rows: int = 1024) -> None:
+        for name, value in (("max_steps", max_steps), ("max_rows", max_rows)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+        self.max_steps, self.max_rows = max_steps, max_rows
+        self._held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._rows = 0
+
+    def __len__(self) -> int:
+        """Plain steps held."""
+        return len(self._held)
+
+    @property
+    def full(self) -> bool:
+        """Whether :attr:`max_steps` steps or :attr:`max_rows` rows are held (the worker then flushes)."""
+        return len(self._held) >= self.max_steps or self._rows >= self.max_rows
+
+    def add(self, target_hidden: torch.Tensor, cache_loc: torch.Tensor, positions: torch.Tensor,
+            commit_lens: torch.Tensor) -> None:
+        """Hold one plain step's write (copies: the step's buffers may be reused, e.g. a replayed
+        CUDA graph's outputs).
+
+        Args:
+            target_hidden: [bs, F], the step's captured target features (one row per request).
+            cache_loc: int [bs], each request's slot in the drafter pool's id space.
+            positions: int [bs]; commit_lens: int [bs], 1 per request (0 leaves its row unwritten).
+        Raises:
+            ValueError when the four do not have one row per request.
+        """
+        n = int(cache_loc.numel())
+        if target_hidden.ndim != 2 or target_hidden.shape[0] != n or positions.numel() != n or commit_lens.numel() != n:
+            raise ValueError(
+                f"one row per request expected: target_hidden {tuple(target_hidden.shape)}, cache_loc {n}, "
+                f"positions {positions.numel()}, commit_lens {commit_lens.numel()}")
+        self._held.append((target_hidden.clone(), cache_loc.reshape(-1).clone(), positions.reshape(-1).clone(),
+                           commit_lens.reshape(-1).clone()))
+        self._rows += n
+
+    def take(self) -> dict | None:
+        """Everything held, as one prefix-valid write, oldest first, and forget it.
+
+        Returns:
+            None when nothing is held, else the keyword arguments of SGLang's
+            ``DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc``: ``target_hidden`` [R, F],
+            ``cache_loc`` int [R], ``cache_loc_2d`` [R, 1] (one window of width 1 per held row),
+            ``positions`` int64 [R], ``commit_lens`` [R] (0 for a row a later held row's write to
+            the same slot supersedes), R the rows of all held steps. No host read.
+        """
+        if not self._held:
+            return None
+        hidden, locs, positions, lens = (torch.cat(x) for x in zip(*self._held))
+        self._held, self._rows = [], 0
+        if len(locs) > 1:
+            # a stable sort keeps a slot's writes in held order: each but the last is superseded
+            order = torch.sort(locs, stable=True).indices
+            ranked = locs[order]
+            superseded = torch.zeros_like(lens, dtype=torch.bool)
+            superseded[order[:-1]] = ranked[:-1] == ranked[1:]
+            lens = lens.masked_fill(superseded, 0)
+        return {"target_hidden": hidden, "cache_loc": locs, "cache_loc_2d": locs.view(-1, 1),
+                "positions": positions, "commit_lens": lens}

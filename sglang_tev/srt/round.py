@@ -519,6 +519,17 @@ def commit_outputs(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -
     reads slot 3's row).
     """
     b, n = tree.parents.shape
+    if n == 1:  # a root-only round (a plain step): the root's own row, the bonus its one token
+        rows = torch.arange(b, device=tree.device).view(b, 1)
+        ones = torch.ones(b, dtype=torch.int32, device=tree.device)
+        return CommitPlan(out.bonus.view(b, 1).to(torch.int64), ones, rows, rows, rows.clone(),
+                          seq_lens + ones.to(seq_lens.dtype).to(seq_lens.device))
+    return _commit_tree(tree, out, seq_lens)
+
+
+def _commit_tree(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -> CommitPlan:
+    """:func:`commit_outputs` for any tree (root-only ones included)."""
+    b, n = tree.parents.shape
     dev = tree.device
     width = tree.max_depth + 1
     path = out.path[:, :width]

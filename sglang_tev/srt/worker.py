@@ -25,7 +25,8 @@ applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the
 A round planned as a plain step for the whole batch (``SGLANG_TEV_BUDGET=auto``, budget 0) drafts
 nothing and, without target CUDA graphs, runs the target as SGLang's own DECODE forward
 (``_decode_forward``); its token is drawn by the same verifier from a root-only tree and its
-drafter KV appended the same way. With CUDA graphs, ``auto`` captures a target verify graph per
+drafter KV is held, then written with the other held steps' at once before the drafter next reads
+its pool (``draft_kv.PendingDraftKV``). With CUDA graphs, ``auto`` captures a target verify graph per
 tree-size tier (``graph_tiers``: 1 node for a plain step, ..., N) and each round replays its width's.
 
 DFlash2 checkpoints (SGLang's ``DFlash2DraftModel``: conv, transform, candidate selector) are
@@ -73,7 +74,7 @@ from ..tree import root_only_tree
 from ..verify import num_uniforms
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
-from .draft_kv import install_context_kv_writer
+from .draft_kv import PendingDraftKV, install_context_kv_writer
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
@@ -191,6 +192,9 @@ class TEVWorker(DFlashWorkerV2):
             self._served_budget = ServedBudget(self.tev.budget, self.block_size, broadcast=broadcast,
                                                leader=get_parallel().tp_rank == 0)
             self._layout_resolved = False
+        # plain steps' drafter-KV writes, held until the drafter next reads its pool (draft_kv.py);
+        # SGLang's lilicorr anchors its draft sampler on each write, so it keeps them per step
+        self._draft_kv_pending = PendingDraftKV() if getattr(self, "lilicorr", None) is None else None
         # auto on CUDA: a target verify graph runner per tree-size tier (graph_tiers), built at start-up
         self._tier_backends, self._graph_tiers = {}, None
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
@@ -237,8 +241,17 @@ class TEVWorker(DFlashWorkerV2):
     # ------------------------------------------------------------------ entry
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            self._flush_draft_kv()  # before the prefill writes (and may reuse freed slots of) the drafter's pool
             return super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
         return self._tev_decode(batch, on_publish, grammar_barrier)
+
+    def _flush_draft_kv(self) -> None:
+        """Write the drafter KV that plain steps held (``draft_kv.PendingDraftKV``), oldest first,
+        in one prefix-valid write."""
+        pending = self._draft_kv_pending
+        held = pending.take() if pending is not None else None
+        if held is not None:
+            self._append_target_hidden_to_draft_kv_by_loc(**held)
 
     # ------------------------------------------------------------------ the round
     def _draft_topk(self, batch, draft_input, seq_lens_cpu, seq_lens_sum):
@@ -506,10 +519,11 @@ class TEVWorker(DFlashWorkerV2):
         drafted = None
         caps = None
         if budget > 0:
+            self._flush_draft_kv()  # the draft forward reads the drafter KV of every committed token
             caps = request_depth_caps(prefix, self.tev.max_depth, self.target_worker.model_runner.model_config.context_len)
         if budget == 0:
             # a plain decoding step (SGLANG_TEV_BUDGET=auto): nothing drafted. The draft KV of the
-            # committed token is still written from the target's features at commit.
+            # committed token is held at commit, written before the next draft reads it.
             tree = root_only_tree(roots)
         elif self._tev_draft.mode == "lattice":
             # DFlash2: DDTree over the selector lattice (parent-dependent child lists)
@@ -612,13 +626,19 @@ class TEVWorker(DFlashWorkerV2):
             on_publish(plan.new_seq_lens)
         cache_loc = self._draft_write_ids(kv_plan)
         commit_positions = (prefix.view(bs, 1).to(torch.int64) + torch.arange(N, device=dev).view(1, N)).reshape(-1)
-        self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=hidden,
-            cache_loc=cache_loc,
-            cache_loc_2d=cache_loc.view(bs, N),
-            positions=commit_positions,
-            commit_lens=plan.commit_lens,
-        )
+        if N == 1 and self._draft_kv_pending is not None:
+            # a plain step: its drafter KV is written when the drafter next reads its pool
+            self._draft_kv_pending.add(hidden, cache_loc, commit_positions, plan.commit_lens)
+            if self._draft_kv_pending.full:
+                self._flush_draft_kv()
+        else:
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=hidden,
+                cache_loc=cache_loc,
+                cache_loc_2d=cache_loc.view(bs, N),
+                positions=commit_positions,
+                commit_lens=plan.commit_lens,
+            )
         logits_output.hidden_states = None
         if served is not None and drafted is None:  # a plain step: its cost only, nothing to read
             served.observe(round_plan, None, None)

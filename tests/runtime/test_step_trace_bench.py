@@ -36,6 +36,22 @@ def test_summary_counts_only_decode_steps_followed_by_decode_steps():
     assert row["step_ms"] == pytest.approx(13.0)
     assert row["tokens_per_step"] == pytest.approx((4 / 2 + 6 / 2) / 2)
     assert _module().summarize(["tev 0 1 x 1 0"]) == {"steps": 0}
+    assert list(row["by_width"]) == ["-1"]  # six-field lines: the width is unknown
+
+
+def test_summary_splits_steps_by_round_width():
+    lines = [
+        "tev 0.000 0.010 d 1 1 0",   # plain step: work 10, gap 1
+        "tev 0.011 0.031 d 1 3 16",  # 16 nodes: work 20, gap 3
+        "tev 0.034 0.044 d 1 1 0",   # plain: work 10, gap 2
+        "tev 0.046 0.066 d 1 2 16",  # 16 nodes: work 20, gap 5
+        "tev 0.071 0.080 d 1 1 0",
+    ]
+    by = _module().summarize(lines)["by_width"]
+    assert list(by) == ["0", "16"]
+    assert by["0"]["steps"] == 2 and by["0"]["gap_ms"] == pytest.approx(1.5) and by["0"]["start_ms"] == pytest.approx(11.5)
+    assert by["16"]["work_ms"] == pytest.approx(20.0) and by["16"]["start_ms"] == pytest.approx(24.0)
+    assert by["16"]["tokens_per_step"] == pytest.approx(2.5)
 
 
 @pytest.mark.parametrize("args, needle", [(["--modes", "nope"], "--modes"), (["--modes", ","], "--modes"),

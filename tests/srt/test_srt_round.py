@@ -312,6 +312,24 @@ def test_commit_outputs_tokens_lengths_and_indices():
     assert plan.commit_lens.dtype == torch.int32
 
 
+@pytest.mark.parametrize("seq_dtype", [torch.int64, torch.int32])
+def test_commit_of_a_root_only_round_equals_the_general_commit(seq_dtype):
+    """A plain step's commit (the root-only shortcut) is field for field the general one's."""
+    from sglang_tev.srt.round import _commit_tree
+    from sglang_tev.tree import root_only_tree
+
+    b = 5
+    tree = root_only_tree(torch.tensor([3, 1, 4, 1, 5]))
+    zero = torch.zeros(b, dtype=torch.int64)
+    out = VerifyOutput(tree.path(zero), zero, torch.tensor([101, 102, 103, 104, 105]), zero, torch.ones(b))
+    seq = torch.tensor([10, 3, 0, 7, 21], dtype=seq_dtype)
+    fast, general = commit_outputs(tree, out, seq), _commit_tree(tree, out, seq)
+    for name in ("out_tokens", "commit_lens", "accept_index", "src_rows", "dst_rows", "new_seq_lens"):
+        a, g = getattr(fast, name), getattr(general, name)
+        assert a.dtype == g.dtype and torch.equal(a, g), name
+    assert fast.out_tokens[:, 0].tolist() == [101, 102, 103, 104, 105]
+
+
 def test_compaction_matches_sglang_and_moves_kv_front():
     tree, out = ragged_case()
     b, n = tree.parents.shape

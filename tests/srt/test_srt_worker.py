@@ -90,6 +90,12 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         # block [root, MASK x (K-1)] at positions prefix..prefix+K-1: slot j predicts the token
         # after position prefix + j, the true continuation with a margin (drafter accuracy ~85%)
         assert fb.input_ids.numel() == bs * K and fb.bound
+        # the drafter's KV holds every committed token's, plain steps' held writes included
+        for b in range(bs):
+            s = int(fb.positions[b * K])  # the root's position: the committed length
+            slots = req_to_token[pool_idx[b], len(prompts[b]) : s]
+            assert draft_kv[slots].tolist() == refs[b][len(prompts[b]) : s], (b, s)
+        seen["drafts"] = seen.get("drafts", 0) + 1
         now[0] += 0.5e-3  # the planner's clock (below): a draft costs 0.5 ms
         logits = torch.randn(bs * K, V, generator=g)
         for b in range(bs):
@@ -142,7 +148,8 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
             logits[o : o + n] = target(inp, position_ids=pos, attention_mask=add).logits[0, s:]
         kv[loc] = vi.draft_token  # the verify forward writes every node's KV into the window
         seen["draft_token"] = vi.draft_token.clone()
-        hidden = torch.arange(indptr[-1], dtype=torch.float32).view(-1, 1).repeat(1, 2)  # row id as a feature
+        # features: the row id, and the row's token (what the fake drafter KV below stores)
+        hidden = torch.stack([torch.arange(indptr[-1], dtype=torch.float32), vi.draft_token.float()], dim=1)
         return SimpleNamespace(
             logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=False
         )
@@ -165,7 +172,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
             logits[b] = target(inp).logits[0, -1]
         kv[fb.out_cache_loc] = fb.input_ids
         seen["draft_token"], seen["indptr"] = fb.input_ids.clone(), list(range(bs + 1))
-        hidden = torch.arange(bs, dtype=torch.float32).view(-1, 1).repeat(1, 2)
+        hidden = torch.stack([torch.arange(bs, dtype=torch.float32), fb.input_ids.float()], dim=1)
         return SimpleNamespace(
             logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=False
         )
@@ -178,6 +185,18 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
     monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
 
     appended = []
+    draft_kv = torch.full((800,), -1, dtype=torch.int64)  # slot -> the token whose drafter KV it holds
+
+    def append_draft_kv(**kw):
+        # SGLang's prefix-valid writer: row r writes its first commit_lens[r] window slots
+        appended.append(kw)
+        loc2, lens, feats = kw["cache_loc_2d"], kw["commit_lens"], kw["target_hidden"]
+        assert torch.equal(loc2.reshape(-1), kw["cache_loc"]) and feats.shape[0] == loc2.numel() == kw["positions"].numel()
+        width = loc2.shape[1]
+        for r in range(loc2.shape[0]):
+            n = int(lens[r])
+            draft_kv[loc2[r, :n]] = feats[r * width : r * width + n, 1].long()
+
     fake_kv = FakeKV(kv)
     translator = FakeTranslator()
     model_runner = SimpleNamespace(
@@ -195,7 +214,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         monkeypatch.setattr(W, "SAVE_EVERY", 4)
     w = build_tev_worker(monkeypatch, tree_size=N, block_size=K, max_depth=D, topk=k, verifier=verifier,
                          model_runner=model_runner, target_forward=target_forward, draft_forward=draft_forward,
-                         translator=translator, append_draft_kv=lambda **kw: appended.append(kw),
+                         translator=translator, append_draft_kv=append_draft_kv,
                          attention_backend=TritonAttnBackend if budget_mode.endswith("triton") else TorchCPUAttnBackend)
     assert w._round_log.interval == 40  # SGLang's default --decode-log-interval (not in these args)
     if budget_mode != "fixed":
@@ -224,6 +243,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
     seen = {}
     accepts = []
     widths = []
+    held_before = 0
     while min(len(o) for o in out) < new_tokens:
         seen["seq_cpu"] = batch.seq_lens_cpu.clone()
         roots = batch.spec_info.bonus_tokens.clone()
@@ -234,21 +254,28 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         for b in range(bs):
             a = int(res.accept_lens[b])
             out[b] += res.next_token_ids[b * stride : b * stride + a].tolist()
-        last = appended[-1]
-        assert torch.equal(last["commit_lens"], res.accept_lens)
-        wr = last["cache_loc_2d"].shape[1]  # this round's width: N with a fixed budget
+        info = res.logits_output.customized_info
+        wr = max(info["tev_budget"]) + 1  # this round's width: N with a fixed budget
         widths.append(wr)
         assert wr == N if budget_mode == "fixed" else 1 <= wr <= N
-        assert torch.equal(last["positions"].view(bs, wr), batch.seq_lens.view(bs, 1) + torch.arange(wr))
-        # the draft-KV rows written (the first commit_lens of each window) are the target features
-        # of root + accepted drafts, in order (features are row ids here)
-        for b in range(bs):
-            a = int(res.accept_lens[b])
-            want = [int(roots[b])] + res.next_token_ids[b * N : b * N + a - 1].tolist()
-            rows = last["target_hidden"][b * wr : b * wr + a, 0].long()
-            assert seen["draft_token"][rows].tolist() == want
-            assert bool((rows >= seen["indptr"][b]).all()) and bool((rows < seen["indptr"][b + 1]).all())
-        info = res.logits_output.customized_info
+        held = len(w._draft_kv_pending)
+        if wr == 1:  # a plain step holds its drafter-KV write (up to the cap, then all are written)
+            assert (held == held_before + 1) or (held == 0 and held_before + 1 == w._draft_kv_pending.max_steps)
+        else:  # a tree round wrote the held ones before its draft, then its own
+            assert held == 0
+            last = appended[-1]
+            assert torch.equal(last["commit_lens"], res.accept_lens)
+            assert last["cache_loc_2d"].shape[1] == wr
+            assert torch.equal(last["positions"].view(bs, wr), batch.seq_lens.view(bs, 1) + torch.arange(wr))
+            # the draft-KV rows written (the first commit_lens of each window) are the target features
+            # of root + accepted drafts, in order (features are row ids here)
+            for b in range(bs):
+                a = int(res.accept_lens[b])
+                want = [int(roots[b])] + res.next_token_ids[b * N : b * N + a - 1].tolist()
+                rows = last["target_hidden"][b * wr : b * wr + a, 0].long()
+                assert seen["draft_token"][rows].tolist() == want
+                assert bool((rows >= seen["indptr"][b]).all()) and bool((rows < seen["indptr"][b + 1]).all())
+        held_before = held
         assert list(info["tev_accept_length"]) == res.accept_lens.tolist()
         assert [a + 1 for a in info["tev_exit_depth"]] == res.accept_lens.tolist()
         accepts += info["tev_exit_depth"]
@@ -271,6 +298,11 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         s = int(batch.seq_lens[b])
         assert kv[req_to_token[pool_idx[b], :s]].tolist() == (p + out[b])[:s]
     assert fake_kv.moves == sum(wr > 1 for wr in widths)  # a root-only round (a plain step) moves nothing
+    assert seen["drafts"] == sum(wr > 1 for wr in widths)  # each checked the drafter KV first
+    w._flush_draft_kv()  # what a prefill would do first: the drafter KV then holds every committed token
+    for b, p in enumerate(prompts):
+        s = int(batch.seq_lens[b])
+        assert draft_kv[req_to_token[pool_idx[b], len(p) : s]].tolist() == (p + out[b])[len(p) : s]
     # the periodic TEV log line: every 2 rounds, over the rounds' own values
     rounds = len(accepts) // bs
     assert len(lines) == rounds // 2

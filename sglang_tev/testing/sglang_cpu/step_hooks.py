@@ -14,8 +14,9 @@
   the engine tests of the ragged verify run on (``tests/engine/test_sglang_engine.py``).
 * ``SGLANG_TEV_STEP_TRACE=<file>``: one line per call of the decode worker's
   ``forward_batch_generation`` (``TEVWorker``, else SGLang's ``TpModelWorker``), appended to the
-  file: ``kind t0 t1 mode bs tokens`` (``perf_counter`` seconds; mode ``d`` decode, ``x``
-  prefill or idle; tokens: committed this step, all requests). One line per outermost call: the
+  file: ``kind t0 t1 mode bs tokens width`` (``perf_counter`` seconds; mode ``d`` decode, ``x``
+  prefill or idle; tokens: committed this step, all requests; width: the widest request's drafted
+  nodes in a TEV round, 0 for a plain step, -1 where unknown). One line per outermost call: the
   target calls a TEV round or a TEV prefill makes inside it are part of its line.
 
 They act only in processes the CPU harness starts (``SGLANG_TEV_CPU_HARNESS=1`` loads them); the
@@ -125,8 +126,12 @@ def install_step_trace(path: str) -> None:
             t1 = time.perf_counter()
             bs = len(batch.seq_lens) if batch.seq_lens is not None else 0
             tokens = bs if kind == "plain" or ext else int(res.accept_lens.sum())
+            width = 0 if kind == "plain" else -1
+            info = getattr(getattr(res, "logits_output", None), "customized_info", None)
+            if not ext and isinstance(info, dict) and info.get("tev_budget") is not None:
+                width = int(max(info["tev_budget"], default=-1))
             with open(path, "a") as f:
-                f.write(f"{kind} {t0:.6f} {t1:.6f} {'x' if ext else 'd'} {bs} {tokens}\n")
+                f.write(f"{kind} {t0:.6f} {t1:.6f} {'x' if ext else 'd'} {bs} {tokens} {width}\n")
             return res
 
         timed._step_trace = True
