@@ -20,6 +20,11 @@ The timing and the plain-step plans are the CPU harness's hooks in the server's 
 
     OMP_NUM_THREADS=1 python benchmarks/sglang_step_trace.py --modes plain,auto65-plain \\
         --temperature 1 --seconds 30 [--output result.json]
+
+``--paired R`` starts every mode's server at once and runs R rounds of one request per mode, the
+order reversed every round, instead of ``--seconds`` of load per mode in turn: on a VM whose speed
+drifts between minutes the modes then share the same minutes (each row adds ``speed``, the median
+over rounds of the first mode's request time over this mode's, with quartiles).
 """
 
 from __future__ import annotations
@@ -139,6 +144,46 @@ def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
     return row
 
 
+def run_paired(modes: list[str], known: dict, args, folder: Path) -> list[dict]:
+    """Every mode's server up at once; ``args.paired`` rounds of one request per mode, in an order
+    that reverses every round (A B, B A, ...), so the VM's drift falls on all modes alike. Each row
+    adds ``speed`` (median over rounds of the first mode's request seconds over this mode's) with
+    its quartiles; ``tok_s`` is output tokens over this mode's own request seconds."""
+    from sglang_tev import env as tev_env
+    from sglang_tev.testing.sglang_cpu import hosts
+
+    started, seconds, budgets = {}, {m: [] for m in modes}, {m: {} for m in modes}
+    try:
+        for m in modes:
+            kwargs, env = known[m]
+            started[m] = hosts.ServerHost(kwargs, env=dict(env, **{tev_env.STEP_TRACE: str(folder / f"{m}.trace")}))
+        for m in modes:
+            for _ in range(2):  # warm-up (and, under auto, the calibration's first rounds)
+                _generate(started[m], args.temperature, args.output_len)
+            (folder / f"{m}.trace").unlink(missing_ok=True)
+        for i in range(args.paired):
+            for m in modes if i % 2 == 0 else modes[::-1]:
+                t0 = time.perf_counter()
+                out = _generate(started[m], args.temperature, args.output_len)
+                seconds[m].append(time.perf_counter() - t0)
+                for b in out["meta_info"].get("tev_budget") or []:
+                    budgets[m][b] = budgets[m].get(b, 0) + 1
+    finally:
+        for h in started.values():
+            h.close()
+    rows = []
+    for m in modes:
+        trace = folder / f"{m}.trace"
+        if not trace.exists():
+            raise RuntimeError(f"{m}: the server wrote no step trace (the CPU harness's {tev_env.STEP_TRACE} hook did not run)")
+        row = summarize(trace.read_text().splitlines())
+        speed = sorted(a / b for a, b in zip(seconds[modes[0]], seconds[m]))
+        row.update(mode=m, tok_s=args.output_len * len(seconds[m]) / sum(seconds[m]), budgets=dict(sorted(budgets[m].items())),
+                   speed=statistics.median(speed), speed_q1=speed[len(speed) // 4], speed_q3=speed[(3 * len(speed)) // 4])
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="plain,auto65-plain", help="comma-separated: plain, tev17, tev33, auto65, auto65-plain")
@@ -146,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seconds", type=float, default=30.0, help="traced load per mode, after two warm-up requests")
+    p.add_argument("--paired", type=int, default=0,
+                   help="instead of --seconds per mode: every server up at once and this many rounds of one "
+                        "request per mode, the order reversed every round (speeds relative to the first mode)")
     p.add_argument("--output", help="write the rows as JSON here")
     args = p.parse_args(argv)
     known = _modes()
@@ -161,12 +209,20 @@ def main(argv=None) -> int:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.output and not Path(args.output).resolve().parent.is_dir():
         p.error(f"--output: no such directory {str(Path(args.output).resolve().parent)!r}")
+    if args.paired < 0:
+        p.error(f"--paired must be a number of rounds >= 1 (0: off), got {args.paired}")
+    if args.paired and (args.concurrency != 1 or len(set(modes)) != len(modes)):
+        p.error("--paired runs one request at a time (--concurrency 1), each mode once in --modes")
     if args.output_len < 2:
         p.error(f"--output-len must be at least 2 (a decode step after the first token), got {args.output_len}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for m in modes:
+        if args.paired:
+            rows = run_paired(modes, known, args, folder)
+            for r in rows:
+                print(json.dumps(r), flush=True)
+        for m in modes if not args.paired else []:
             kwargs, env = known[m]
             rows.append(run_mode(m, kwargs, env, args, folder))
             print(json.dumps(rows[-1]), flush=True)
@@ -178,7 +234,8 @@ def main(argv=None) -> int:
             continue
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
         print(f"{r['mode']:>14} {r['work_ms']:8.2f} {r['gap_ms']:7.2f} {r['step_ms']:8.2f} {ratio:>8} "
-              f"{r['tokens_per_step']:8.2f} {r['tok_s']:7.1f}")
+              f"{r['tokens_per_step']:8.2f} {r['tok_s']:7.1f}"
+              + (f"   speed {r['speed']:.3f} ({r['speed_q1']:.3f}-{r['speed_q3']:.3f})" if "speed" in r else ""))
         if len(r.get("by_width", {})) > 1:
             for k, d in r["by_width"].items():
                 print(f"{'width ' + k:>14} {d['work_ms']:8.2f} {d['gap_ms']:7.2f} {d['start_ms']:8.2f} {'':>8} "

@@ -58,7 +58,10 @@ def test_summary_splits_steps_by_round_width():
                                           (["--seconds", "0"], "--seconds"), (["--seconds", "nan"], "--seconds"),
                                           (["--seconds", "inf"], "--seconds"), (["--temperature", "-1"], "--temperature"),
                                           (["--concurrency", "0"], "--concurrency"), (["--output-len", "1"], "--output-len"),
-                                          (["--output", "/nonexistent-dir-x/r.json"], "--output")])
+                                          (["--output", "/nonexistent-dir-x/r.json"], "--output"),
+                                          (["--paired", "-1"], "--paired"),
+                                          (["--paired", "3", "--concurrency", "2"], "--paired"),
+                                          (["--paired", "3", "--modes", "plain,plain"], "--paired")])
 def test_bad_arguments_are_refused_before_any_server_starts(args, needle):
     out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
