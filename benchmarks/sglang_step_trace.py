@@ -22,7 +22,7 @@ The timing and the plain-step plans are the CPU harness's hooks in the server's 
         --temperature 1 --seconds 30 [--output result.json]
 
 ``--paired R`` starts every mode's server at once and runs R rounds of one request per mode, the
-order reversed every round, instead of ``--seconds`` of load per mode in turn: on a VM whose speed
+order rotated every round, instead of ``--seconds`` of load per mode in turn: on a VM whose speed
 drifts between minutes the modes then share the same minutes (each row adds ``speed``, the median
 over rounds of the first mode's request time over this mode's, with quartiles).
 """
@@ -81,6 +81,8 @@ def summarize(lines: list[str]) -> dict:
     rows = []
     for x in lines:
         f = x.split()
+        if len(f) < 6:  # a line cut short (a server killed while writing it)
+            continue
         rows.append((float(f[1]), float(f[2]), f[3], int(f[4]), int(f[5]), int(f[6]) if len(f) > 6 else -1))
     work, gap, toks, per = [], [], [], {}
     for cur, nxt in zip(rows, rows[1:]):
@@ -146,7 +148,7 @@ def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
 
 def run_paired(modes: list[str], known: dict, args, folder: Path) -> list[dict]:
     """Every mode's server up at once; ``args.paired`` rounds of one request per mode, in an order
-    that reverses every round (A B, B A, ...), so the VM's drift falls on all modes alike. Each row
+    rotated every round (A B C, B C A, ...), so the VM's drift falls on all modes alike. Each row
     adds ``speed`` (median over rounds of the first mode's request seconds over this mode's) with
     its quartiles; ``tok_s`` is output tokens over this mode's own request seconds."""
     from sglang_tev import env as tev_env
@@ -162,7 +164,8 @@ def run_paired(modes: list[str], known: dict, args, folder: Path) -> list[dict]:
                 _generate(started[m], args.temperature, args.output_len)
             (folder / f"{m}.trace").unlink(missing_ok=True)
         for i in range(args.paired):
-            for m in modes if i % 2 == 0 else modes[::-1]:
+            k = i % len(modes)
+            for m in modes[k:] + modes[:k]:  # each mode first in turn (two modes: A B, B A, ...)
                 t0 = time.perf_counter()
                 out = _generate(started[m], args.temperature, args.output_len)
                 seconds[m].append(time.perf_counter() - t0)
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="traced load per mode, after two warm-up requests")
     p.add_argument("--paired", type=int, default=0,
                    help="instead of --seconds per mode: every server up at once and this many rounds of one "
-                        "request per mode, the order reversed every round (speeds relative to the first mode)")
+                        "request per mode, the order rotated every round (speeds relative to the first mode)")
     p.add_argument("--output", help="write the rows as JSON here")
     args = p.parse_args(argv)
     known = _modes()
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
         p.error(f"--modes: {'unknown ' + ', '.join(bad) if bad else 'none given'} (known: {', '.join(known)})")
     if args.concurrency < 1:
         p.error(f"--concurrency must be at least 1, got {args.concurrency}")
-    if not (math.isfinite(args.seconds) and args.seconds > 0):
+    if not args.paired and not (math.isfinite(args.seconds) and args.seconds > 0):
         p.error(f"--seconds must be a finite number above 0, got {args.seconds}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["TorchStackedKV", "PendingDraftKV", "stacked_kv_refusal", "install_context_kv_writer"]
+__all__ = ["TorchStackedKV", "PendingDraftKV", "held_writes_refusal", "stacked_kv_refusal", "install_context_kv_writer"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +194,11 @@ class PendingDraftKV:
     request per step, that write was ~0.65 ms of an ~11 ms plain step on the CPU server (the
     target's features through the drafter's ``fc`` projection, then every layer's K/V); held and
     written at once, a streak of plain steps pays it about once. The worker (``worker.py``) flushes
-    the held writes, in the order they were made, before anything else can read or write the
+    the held writes, in the order they were made, before any of its own calls reads or writes the
     drafter's pool: before a round that drafts, before every prefill / extend / idle call, and
-    once :attr:`max_steps` steps are held.
+    once :attr:`full`. Where SGLang itself copies the drafter's pool outside the worker (the
+    hierarchical KV cache's host backups and load-backs), nothing is held
+    (:func:`held_writes_refusal`).
 
     Why the pool stays right: a slot freed between steps (a finished, aborted or retracted
     request) and given to another request is written by its new owner later than by the held
@@ -249,8 +251,8 @@ class PendingDraftKV:
             raise ValueError(
                 f"one row per request expected: target_hidden {tuple(target_hidden.shape)}, cache_loc {n}, "
                 f"positions {positions.numel()}, commit_lens {commit_lens.numel()}")
-        self._held.append((target_hidden.clone(), cache_loc.reshape(-1).clone(), positions.reshape(-1).clone(),
-                           commit_lens.reshape(-1).clone()))
+        self._held.append((target_hidden.clone(), cache_loc.reshape(-1).clone(),
+                           positions.reshape(-1).to(torch.int64, copy=True), commit_lens.reshape(-1).clone()))
         self._rows += n
 
     def take(self) -> dict | None:
@@ -260,8 +262,9 @@ class PendingDraftKV:
             None when nothing is held, else the keyword arguments of SGLang's
             ``DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc``: ``target_hidden`` [R, F],
             ``cache_loc`` int [R], ``cache_loc_2d`` [R, 1] (one window of width 1 per held row),
-            ``positions`` int64 [R], ``commit_lens`` [R] (0 for a row a later held row's write to
-            the same slot supersedes), R the rows of all held steps. No host read.
+            ``positions`` int64 [R], ``commit_lens`` [R] (0 for a row a later held row that writes
+            the same slot supersedes; a row held with 0 writes nothing and supersedes nothing), R
+            the rows of all held steps. No host read.
         """
         if not self._held:
             return None
@@ -269,10 +272,49 @@ class PendingDraftKV:
         self._held, self._rows = [], 0
         if len(locs) > 1:
             # a stable sort keeps a slot's writes in held order: each but the last is superseded
-            order = torch.sort(locs, stable=True).indices
-            ranked = locs[order]
+            # (a row that writes nothing gets a key of its own, below every slot id)
+            key = torch.where(lens > 0, locs.to(torch.int64),
+                              -1 - torch.arange(len(locs), device=locs.device, dtype=torch.int64))
+            order = torch.sort(key, stable=True).indices
+            ranked = key[order]
             superseded = torch.zeros_like(lens, dtype=torch.bool)
             superseded[order[:-1]] = ranked[:-1] == ranked[1:]
             lens = lens.masked_fill(superseded, 0)
         return {"target_hidden": hidden, "cache_loc": locs, "cache_loc_2d": locs.view(-1, 1),
                 "positions": positions, "commit_lens": lens}
+
+
+def held_writes_refusal(worker) -> Optional[str]:
+    """Why ``worker``'s (a ``TEVWorker``'s) plain steps must write the drafter's KV at once rather
+    than hold it (:class:`PendingDraftKV`), or None.
+
+    Held writes are right while only the worker touches the drafter's pool. SGLang also copies that
+    pool outside the worker when its hierarchical KV cache, its external cache linker or a host-pool
+    retraction backup is on (``BaseSpecWorker._build_hicache_draft_plan``, SGLang 0.5.23
+    ``speculative/base_spec_worker.py:270-341``): a backup could read a slot before its held write
+    lands, and a load-back could be overwritten by a stale one. SGLang's lilicorr draft head also
+    anchors on every write. Read at start-up (the published server arguments) and again at the
+    first decode (the draft plan the scheduler builds after the worker).
+    """
+    if getattr(worker, "lilicorr", None) is not None:
+        return "SGLang's lilicorr draft head anchors on every drafter-KV write"
+    mode = getattr(getattr(worker, "hicache_draft_plan", None), "mode", None)
+    mode = getattr(mode, "value", mode)
+    if mode is not None and str(mode) != "none":
+        return f"SGLang backs the drafter's KV pool up to host memory outside the worker (HiCache draft plan {mode!r})"
+    from sglang.srt.runtime_context import get_disagg, get_memory
+
+    try:
+        memory = get_memory()
+    except ValueError:  # not published: no server arguments (the worker tests' fakes)
+        memory = None
+    if memory is not None and (getattr(memory, "enable_hierarchical_cache", False)
+                               or getattr(memory, "enable_unified_cache_external_linker", False)):
+        return "the hierarchical KV cache backs the drafter's pool up to host memory outside the worker"
+    try:
+        disagg = get_disagg()
+    except ValueError:
+        disagg = None
+    if getattr(disagg, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        return "retraction backs the drafter's pool up to host memory outside the worker"
+    return None

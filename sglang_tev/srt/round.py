@@ -522,7 +522,8 @@ def commit_outputs(tree: DraftTree, out: VerifyOutput, seq_lens: torch.Tensor) -
     if n == 1:  # a root-only round (a plain step): the root's own row, the bonus its one token
         rows = torch.arange(b, device=tree.device).view(b, 1)
         ones = torch.ones(b, dtype=torch.int32, device=tree.device)
-        return CommitPlan(out.bonus.view(b, 1).to(torch.int64), ones, rows, rows, rows.clone(),
+        # out_tokens a copy: the bonus is also the next round's root
+        return CommitPlan(out.bonus.view(b, 1).to(torch.int64, copy=True), ones, rows, rows.clone(), rows.clone(),
                           seq_lens + ones.to(seq_lens.dtype).to(seq_lens.device))
     return _commit_tree(tree, out, seq_lens)
 

@@ -74,7 +74,7 @@ from ..tree import root_only_tree
 from ..verify import num_uniforms
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
-from .draft_kv import PendingDraftKV, install_context_kv_writer
+from .draft_kv import PendingDraftKV, held_writes_refusal, install_context_kv_writer
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
@@ -192,9 +192,10 @@ class TEVWorker(DFlashWorkerV2):
             self._served_budget = ServedBudget(self.tev.budget, self.block_size, broadcast=broadcast,
                                                leader=get_parallel().tp_rank == 0)
             self._layout_resolved = False
-        # plain steps' drafter-KV writes, held until the drafter next reads its pool (draft_kv.py);
-        # SGLang's lilicorr anchors its draft sampler on each write, so it keeps them per step
-        self._draft_kv_pending = PendingDraftKV() if getattr(self, "lilicorr", None) is None else None
+        # plain steps' drafter-KV writes, held until the drafter next reads its pool (draft_kv.py),
+        # unless SGLang also copies that pool outside the worker (checked again at the first decode)
+        held_refusal = held_writes_refusal(self)
+        self._draft_kv_pending = PendingDraftKV() if held_refusal is None else None
         # auto on CUDA: a target verify graph runner per tree-size tier (graph_tiers), built at start-up
         self._tier_backends, self._graph_tiers = {}, None
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
@@ -204,7 +205,8 @@ class TEVWorker(DFlashWorkerV2):
             else None
         )
         if get_parallel().tp_rank == 0:
-            logger.info("TEV worker: %s; drafter context KV: %s", self.tev, kv_writer)
+            logger.info("TEV worker: %s; drafter context KV: %s; plain steps' drafter KV: %s", self.tev, kv_writer,
+                        "held until the next draft or prefill" if held_refusal is None else f"written each step ({held_refusal})")
             if self._tev_draft.selector_top_k and self._tev_draft.mode == "marginal":
                 # asked for (SGLANG_TEV_DFLASH2_MODE=marginal), but never silent: the selector is unused
                 logger.warning("TEV DFlash2 drafter: %s", self._tev_draft.describe())
@@ -502,6 +504,13 @@ class TEVWorker(DFlashWorkerV2):
             prefix.record_stream(torch.cuda.current_stream(prefix.device))
         seq_lens_cpu, seq_lens_sum = _host_seq_lens(batch)
         if not self._row_headroom_checked:
+            # the scheduler builds SGLang's HiCache draft plan after the worker: holding stops if it copies the pool
+            refusal = held_writes_refusal(self) if self._draft_kv_pending is not None else None
+            if refusal is not None:
+                self._flush_draft_kv()
+                self._draft_kv_pending = None
+                if get_parallel().tp_rank == 0:
+                    logger.info("TEV: plain steps write the drafter KV each step (%s)", refusal)
             # every slot a step reserves near the context length must lie inside the request's row
             check_row_headroom(
                 row_len=self.model_runner.req_to_token_pool.req_to_token.shape[1],

@@ -37,6 +37,8 @@ def test_summary_counts_only_decode_steps_followed_by_decode_steps():
     assert row["tokens_per_step"] == pytest.approx((4 / 2 + 6 / 2) / 2)
     assert _module().summarize(["tev 0 1 x 1 0"]) == {"steps": 0}
     assert list(row["by_width"]) == ["-1"]  # six-field lines: the width is unknown
+    # a last line cut short (a server killed while writing it) is skipped
+    assert _module().summarize(lines + ["tev 0.080 0.09"]) == row
 
 
 def test_summary_splits_steps_by_round_width():

@@ -53,6 +53,44 @@ def test_a_later_held_write_to_the_same_slot_supersedes_the_older_one():
     assert store[[5, 6, 7, 9]].tolist() == [11, 13, 14, 21]
 
 
+def test_a_held_row_that_writes_nothing_supersedes_nothing():
+    held = PendingDraftKV()
+    held.add(*_step([11], [5], [3]))
+    hidden, slots, positions, _ = _step([12], [5], [4])
+    held.add(hidden, slots, positions.to(torch.int32), torch.zeros(1, dtype=torch.int32))
+    w = held.take()
+    assert w["commit_lens"].tolist() == [1, 0] and w["positions"].dtype == torch.int64
+    store = torch.full((8,), -1)
+    _apply(w, store)
+    assert int(store[5]) == 11  # as writing each step at once would leave it
+
+
+def test_held_writes_are_refused_where_sglang_copies_the_drafter_pool_itself(monkeypatch):
+    from sglang_tev.testing.sglang_cpu.required import require_sglang
+
+    require_sglang()
+    import sglang.srt.runtime_context as rc
+
+    from sglang_tev.srt.draft_kv import held_writes_refusal
+
+    plain = SimpleNamespace(lilicorr=None, hicache_draft_plan=SimpleNamespace(mode=SimpleNamespace(value="none")))
+    assert held_writes_refusal(plain) is None  # nothing published (no server): nothing copies the pool
+    assert "lilicorr" in held_writes_refusal(SimpleNamespace(lilicorr=object()))
+    fused = SimpleNamespace(lilicorr=None, hicache_draft_plan=SimpleNamespace(mode=SimpleNamespace(value="fused")))
+    assert "HiCache draft plan 'fused'" in held_writes_refusal(fused)
+    memory = SimpleNamespace(enable_hierarchical_cache=False, enable_unified_cache_external_linker=False)
+    disagg = SimpleNamespace(disaggregation_decode_retraction_backup=None)
+    monkeypatch.setattr(rc, "get_memory", lambda: memory)
+    monkeypatch.setattr(rc, "get_disagg", lambda: disagg)
+    assert held_writes_refusal(plain) is None
+    memory.enable_hierarchical_cache = True
+    assert "hierarchical KV cache" in held_writes_refusal(plain)
+    memory.enable_hierarchical_cache, memory.enable_unified_cache_external_linker = False, True
+    assert "hierarchical KV cache" in held_writes_refusal(plain)
+    memory.enable_unified_cache_external_linker, disagg.disaggregation_decode_retraction_backup = False, "host_pool"
+    assert "retraction" in held_writes_refusal(plain)
+
+
 def test_full_after_max_steps_or_max_rows():
     held = PendingDraftKV(max_steps=3, max_rows=5)
     held.add(*_step([1, 2], [0, 1], [0, 0]))

@@ -328,6 +328,8 @@ def test_commit_of_a_root_only_round_equals_the_general_commit(seq_dtype):
         a, g = getattr(fast, name), getattr(general, name)
         assert a.dtype == g.dtype and torch.equal(a, g), name
     assert fast.out_tokens[:, 0].tolist() == [101, 102, 103, 104, 105]
+    assert fast.out_tokens.data_ptr() != out.bonus.data_ptr()  # the bonus is also the next round's root
+    assert fast.src_rows.data_ptr() != fast.accept_index.data_ptr()
 
 
 def test_compaction_matches_sglang_and_moves_kv_front():
