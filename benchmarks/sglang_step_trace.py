@@ -84,28 +84,23 @@ def summarize(lines: list[str]) -> dict:
         if len(f) < 6:  # a line cut short (a server killed while writing it)
             continue
         rows.append((float(f[1]), float(f[2]), f[3], int(f[4]), int(f[5]), int(f[6]) if len(f) > 6 else -1))
-    work, gap, toks, per = [], [], [], {}
-    for cur, nxt in zip(rows, rows[1:]):
-        if cur[2] == "d" and nxt[2] == "d":
-            w, g = 1e3 * (cur[1] - cur[0]), 1e3 * (nxt[0] - cur[1])
-            work.append(w)
-            gap.append(g)
-            toks.append(cur[4] / max(1, cur[3]))
-            d = per.setdefault(cur[5], {"work": [], "gap": [], "toks": []})
-            d["work"].append(w)
-            d["gap"].append(g)
-            d["toks"].append(cur[4] / max(1, cur[3]))
-    if not work:
+    # (width, work ms, gap ms, tokens per request) of every decode step followed by a decode step
+    steps = [(cur[5], 1e3 * (cur[1] - cur[0]), 1e3 * (nxt[0] - cur[1]), cur[4] / max(1, cur[3]))
+             for cur, nxt in zip(rows, rows[1:]) if cur[2] == "d" and nxt[2] == "d"]
+    if not steps:
         return {"steps": 0}
-    w, g = statistics.median(work), statistics.median(gap)
-    by_width = {
-        str(k): {"steps": len(d["work"]), "work_ms": statistics.median(d["work"]), "gap_ms": statistics.median(d["gap"]),
-                 "start_ms": statistics.median([a + b for a, b in zip(d["work"], d["gap"])]),
-                 "tokens_per_step": statistics.fmean(d["toks"])}
-        for k, d in sorted(per.items())
-    }
-    return {"steps": len(work), "work_ms": w, "gap_ms": g, "step_ms": w + g, "tokens_per_step": statistics.fmean(toks),
-            "by_width": by_width}
+
+    def medians(part):
+        return {"steps": len(part), "work_ms": statistics.median(x[1] for x in part),
+                "gap_ms": statistics.median(x[2] for x in part), "tokens_per_step": statistics.fmean(x[3] for x in part)}
+
+    row = medians(steps)
+    row["step_ms"] = row["work_ms"] + row["gap_ms"]
+    row["by_width"] = {}
+    for k in sorted({x[0] for x in steps}):
+        part = [x for x in steps if x[0] == k]
+        row["by_width"][str(k)] = dict(medians(part), start_ms=statistics.median(x[1] + x[2] for x in part))
+    return row
 
 
 def run_mode(name: str, kwargs: dict, env: dict, args, folder: Path) -> dict:
