@@ -5,8 +5,10 @@ streams of the same request (``--temperature``, ``--output-len`` tokens, ``ignor
 ``--seconds``, and times every call of the worker's ``forward_batch_generation`` inside the
 scheduler process: its own time ("work") and the gap from its end to the next call's start
 (SGLang's scheduler work between steps: result processing, the next batch). Steps next to a
-prefill are left out. Reported per mode: median work and gap per decode step (ms), tokens per step
-and request, the rounds' budgets, and the client's tokens per second.
+prefill are left out. Reported per mode: median work and gap per decode step (ms), the work split
+into SGLang's model forwards ("fwd") and the rest ("own": the worker's own lines, the sampler's or
+TEV's draw among them), tokens per step and request, the rounds' budgets, and the client's tokens
+per second.
 
 Modes:
     plain          SGLang without speculative decoding (its ``TpModelWorker``)
@@ -70,11 +72,13 @@ def summarize(lines: list[str]) -> dict:
     and per round width.
 
     Args:
-        lines: ``kind t0 t1 mode bs tokens [width]`` per worker call, in call order
+        lines: ``kind t0 t1 mode bs tokens [width [forward]]`` per worker call, in call order
             (``step_hooks.install_step_trace``).
     Returns:
         dict with ``steps``, ``work_ms``, ``gap_ms``, ``step_ms`` (their sum), ``tokens_per_step``
-        (per request) and ``by_width``: per round width (0 = a plain step) the same medians and
+        (per request), where the lines carry it ``forward_ms`` (SGLang's model forwards within the
+        work) and ``own_ms`` (the work less them: the worker's own), and ``by_width``: per round
+        width (0 = a plain step) the same medians and
         ``start_ms``, the median interval from the step's start to the next one's (what a client
         sees per step); ``{"steps": 0}`` when no two decode steps followed each other.
     """
@@ -83,16 +87,22 @@ def summarize(lines: list[str]) -> dict:
         f = x.split()
         if len(f) < 6:  # a line cut short (a server killed while writing it)
             continue
-        rows.append((float(f[1]), float(f[2]), f[3], int(f[4]), int(f[5]), int(f[6]) if len(f) > 6 else -1))
-    # (width, work ms, gap ms, tokens per request) of every decode step followed by a decode step
-    steps = [(cur[5], 1e3 * (cur[1] - cur[0]), 1e3 * (nxt[0] - cur[1]), cur[4] / max(1, cur[3]))
+        rows.append((float(f[1]), float(f[2]), f[3], int(f[4]), int(f[5]), int(f[6]) if len(f) > 6 else -1,
+                     float(f[7]) if len(f) > 7 else None))
+    # (width, work ms, gap ms, tokens per request, forward ms or None) of every decode step followed by a decode step
+    steps = [(cur[5], 1e3 * (cur[1] - cur[0]), 1e3 * (nxt[0] - cur[1]), cur[4] / max(1, cur[3]),
+              None if cur[6] is None else 1e3 * cur[6])
              for cur, nxt in zip(rows, rows[1:]) if cur[2] == "d" and nxt[2] == "d"]
     if not steps:
         return {"steps": 0}
 
     def medians(part):
-        return {"steps": len(part), "work_ms": statistics.median(x[1] for x in part),
-                "gap_ms": statistics.median(x[2] for x in part), "tokens_per_step": statistics.fmean(x[3] for x in part)}
+        out = {"steps": len(part), "work_ms": statistics.median(x[1] for x in part),
+               "gap_ms": statistics.median(x[2] for x in part), "tokens_per_step": statistics.fmean(x[3] for x in part)}
+        if all(x[4] is not None for x in part):  # the model forwards' share of the work, and the rest
+            out["forward_ms"] = statistics.median(x[4] for x in part)
+            out["own_ms"] = statistics.median(x[1] - x[4] for x in part)
+        return out
 
     row = medians(steps)
     row["step_ms"] = row["work_ms"] + row["gap_ms"]
@@ -225,7 +235,7 @@ def main(argv=None) -> int:
             rows.append(run_mode(m, kwargs, env, args, folder))
             print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["mode"] == "plain" and r.get("steps")), None)
-    print(f"{'mode':>14} {'work ms':>8} {'gap ms':>7} {'step ms':>8} {'x plain':>8} {'tok/step':>8} {'tok/s':>7}")
+    print(f"{'mode':>14} {'work ms':>8} {'gap ms':>7} {'step ms':>8} {'x plain':>8} {'tok/step':>8} {'tok/s':>7} {'fwd ms':>7} {'own ms':>7}")
     for r in rows:
         if not r.get("steps"):
             print(f"{r['mode']:>14}  no consecutive decode steps traced")
@@ -233,6 +243,7 @@ def main(argv=None) -> int:
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
         print(f"{r['mode']:>14} {r['work_ms']:8.2f} {r['gap_ms']:7.2f} {r['step_ms']:8.2f} {ratio:>8} "
               f"{r['tokens_per_step']:8.2f} {r['tok_s']:7.1f}"
+              + (f" {r['forward_ms']:7.2f} {r['own_ms']:7.2f}" if "forward_ms" in r else "")
               + (f"   speed {r['speed']:.3f} ({r['speed_q1']:.3f}-{r['speed_q3']:.3f})" if "speed" in r else ""))
         if len(r.get("by_width", {})) > 1:
             for k, d in r["by_width"].items():

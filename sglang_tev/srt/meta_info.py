@@ -112,8 +112,25 @@ def round_info_to_host(
         host.copy_(info, non_blocking=True)
     else:
         host = info
-    casts = (int, int, float, int)
-    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, casts))}
+    return _columns(host)
+
+
+def plain_round_info(bs: int) -> dict:
+    """:func:`round_info_to_host` of a plain step (every request's tree root-only): one token
+    committed, exit depth 0, coverage 0, budget 0. Built on the host: no device read.
+
+    Args:
+        bs: requests in the batch.
+    Returns:
+        ``{key: RoundColumn}`` over a float32 [len(META_INFO_KEYS), bs] CPU tensor.
+    """
+    host = torch.zeros(len(META_INFO_KEYS), bs, dtype=torch.float32)
+    host[META_INFO_KEYS.index("tev_accept_length")] = 1.0
+    return _columns(host)
+
+
+def _columns(host: torch.Tensor) -> dict:
+    return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, (int, int, float, int)))}
 
 
 def align_round_values(req) -> None:

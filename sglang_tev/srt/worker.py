@@ -71,7 +71,10 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from ..env import check_environment
 from ..hf.plan_cache import enabled as plan_cache_enabled
 from ..tree import root_only_tree
+from ..spec import is_scalar_greedy
 from ..verify import num_uniforms
+from ..verify._common import argmax_last
+from ..verify.tev import tev_root_bonus
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .draft_kv import PendingDraftKV, held_writes_refusal, install_context_kv_writer
@@ -80,8 +83,8 @@ from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
 from .plan_store import SAVE_EVERY, ServedPlanStore, served_key
 from .kv_headroom import check_row_headroom
-from .meta_info import META_INFO_KEYS, RoundLog, round_info_to_host
-from .penalties import apply_tree_penalties, count_accepted
+from .meta_info import META_INFO_KEYS, RoundLog, plain_round_info, round_info_to_host
+from .penalties import apply_tree_penalties, batch_penalizer, count_accepted
 from .round import (
     adopt_rank0_decision,
     build_lattice_trees,
@@ -199,6 +202,7 @@ class TEVWorker(DFlashWorkerV2):
         # auto on CUDA: a target verify graph runner per tree-size tier (graph_tiers), built at start-up
         self._tier_backends, self._graph_tiers = {}, None
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
+        self._plain_info = {}  # batch size -> a plain step's customized_info (the same values every step)
         self._round_log = (
             RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)
             if get_parallel().tp_rank == 0
@@ -485,12 +489,110 @@ class TEVWorker(DFlashWorkerV2):
         target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
         return target_out, kv_plan
 
+    def _write_draft_kv(self, hidden, cache_loc, positions, commit_lens, width: int) -> None:
+        """The drafter KV of a round's committed tokens (SGLang's prefix-valid writer: request b's
+        first ``commit_lens[b]`` of its ``width`` window rows). A plain step's (width 1) is held and
+        written when the drafter next reads its pool (:class:`draft_kv.PendingDraftKV`)."""
+        pending = self._draft_kv_pending
+        if width == 1 and pending is not None:
+            pending.add(hidden, cache_loc, positions, commit_lens)
+            if pending.full:
+                self._flush_draft_kv()
+            return
+        self._append_target_hidden_to_draft_kv_by_loc(target_hidden=hidden, cache_loc=cache_loc, cache_loc_2d=cache_loc.view(-1, width),
+                                                      positions=positions, commit_lens=commit_lens)
+
+    def _observe(self, served, round_plan, reach_cum, reach_nodes) -> None:
+        """The planner's record of this round (under ``auto``); rank 0 keeps what it learned every
+        ``SAVE_EVERY`` rounds."""
+        if served is None:
+            return
+        served.observe(round_plan, reach_cum, reach_nodes)
+        if self._plan_store is not None and served.rounds % SAVE_EVERY == 0:
+            self._plan_store.save_from(served)
+
+    def _report(self, logits_output, info: dict) -> None:
+        """The round's ``customized_info`` (meta_info.py) and the periodic log line's record."""
+        logits_output.customized_info = info
+        if self._round_log is not None:
+            self._round_log.record(info)
+
+    def _lean_plain_step_fits(self, batch) -> bool:
+        """Whether a plain step for the whole batch can skip the round's tree machinery
+        (:meth:`_plain_step`): no grammar, logprobs or penalties (each walks the tree's nodes),
+        the TEV verifier (its root-only draw is :func:`tev_root_bonus`), and a DECODE forward
+        (no target CUDA graph: those are captured for TARGET_VERIFY). Host flags only."""
+        if batch.has_grammar or batch.return_logprob or self.tev.verifier != "tev":
+            return False
+        tiers = self._graph_tiers
+        runner = tiers.runner_for(1) if tiers is not None else getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
+        return runner is None and batch_penalizer(batch.sampling_info) is None
+
+    def _plain_step(self, batch, draft_input, served, round_plan, seq_lens_cpu, seq_lens_sum, on_publish):
+        """A plain decoding step for the whole batch (every budget 0), as the round on root-only
+        trees computes it without building them: SGLang's DECODE forward of each request's root,
+        its logit adjustments, the bonus drawn by :func:`tev_root_bonus` from the same uniform
+        column (the same token, field for field the same result: ``tests/srt/test_srt_plain_step.py``),
+        the drafter-KV write held, and a result whose rows hold one token each
+        (``speculative_output_stride`` 1; a tree round's rows hold its width). Only where
+        :meth:`_lean_plain_step_fits`; the round's own lines cost ~10 % of a small model's step on
+        CPU (docs/benchmarks.md)."""
+        bs = len(batch.seq_lens)
+        prefix = batch.seq_lens
+        roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
+        target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
+        logits_output: LogitsProcessorOutput = target_out.logits_output
+        logits = logits_output.next_token_logits
+        target_lp = self._target_logits_processor
+        if target_lp is not None and target_lp.is_deferred_shard(logits):
+            logits = target_lp.finish_deferred_gather(logits)
+            logits_output.next_token_logits = logits
+        sampling_info = batch.sampling_info
+        apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info, draft_token_num=1)
+        all_greedy = bool(getattr(sampling_info, "is_all_greedy", False))  # a host flag: no read
+        sampling = sampling_params_from_info(sampling_info, batch.reqs)
+        if is_scalar_greedy(sampling.temperature):
+            bonus = argmax_last(logits)
+        else:  # the uniforms the round would draw for a one-node tree, column 1 the bonus's
+            seeds = getattr(sampling_info, "sampling_seed", None)
+            count = num_uniforms(self.tev.verifier, 1)
+            if seeds is not None and not all_greedy:
+                uniforms = seeded_uniforms(seeds, prefix, count)
+            else:
+                uniforms = torch.rand(bs, count, dtype=torch.float64, device=logits.device, generator=self._tev_generator)
+            bonus = tev_root_bonus(logits, sampling, uniforms[:, 1])
+        site = SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if all_greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
+        if self._tp_sync.enabled(site):  # TP > 1: rank 0's token (the exit is the root on every rank)
+            bonus = self._tp_sync.sync(site, bonus.contiguous())
+        ones = torch.ones(bs, dtype=torch.int32, device=self.device)
+        new_seq_lens = prefix + 1
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        # a held write copies its rows; one written at once is read before the next step
+        self._write_draft_kv(logits_output.hidden_states, self._draft_write_ids(kv_plan), prefix.to(torch.int64), ones, 1)
+        logits_output.hidden_states = None
+        self._observe(served, round_plan, None, None)
+        info = self._plain_info.get(bs)
+        if info is None:
+            info = self._plain_info[bs] = plain_round_info(bs)
+        self._report(logits_output, info)
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=bonus.to(torch.int64, copy=True),  # a copy: the bonus is also the next root
+            accept_lens=ones,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=self._make_next_draft_input_decode(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=self.tev.tree_size,
+            speculative_output_stride=1,
+            new_seq_lens=new_seq_lens,
+        )
+
     def _tev_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("TEV expected DFlashDraftInputV2 state on the running batch")
         bs = len(batch.seq_lens)
-        capacity = self.tev.tree_size  # N: what SGLang reserves per request and the result's row stride
+        capacity = self.tev.tree_size  # N: what SGLang reserves per request
         dev = self.device
         prefix = batch.seq_lens
         served = self._served_budget
@@ -520,6 +622,9 @@ class TEVWorker(DFlashWorkerV2):
                 page_size=self.model_runner.token_to_kv_pool_allocator.page_size,
             )
             self._row_headroom_checked = True
+
+        if budget == 0 and self._lean_plain_step_fits(batch):
+            return self._plain_step(batch, draft_input, served, round_plan, seq_lens_cpu, seq_lens_sum, on_publish)
 
         # 1) draft -> tree
         # no node may sit at a position past the model's context (a request near its end gets a
@@ -633,43 +738,24 @@ class TEVWorker(DFlashWorkerV2):
             hidden = logits_output.hidden_states
         if on_publish is not None:
             on_publish(plan.new_seq_lens)
-        cache_loc = self._draft_write_ids(kv_plan)
         commit_positions = (prefix.view(bs, 1).to(torch.int64) + torch.arange(N, device=dev).view(1, N)).reshape(-1)
-        if N == 1 and self._draft_kv_pending is not None:
-            # a plain step: its drafter KV is written when the drafter next reads its pool
-            self._draft_kv_pending.add(hidden, cache_loc, commit_positions, plan.commit_lens)
-            if self._draft_kv_pending.full:
-                self._flush_draft_kv()
-        else:
-            self._append_target_hidden_to_draft_kv_by_loc(
-                target_hidden=hidden,
-                cache_loc=cache_loc,
-                cache_loc_2d=cache_loc.view(bs, N),
-                positions=commit_positions,
-                commit_lens=plan.commit_lens,
-            )
+        self._write_draft_kv(hidden, self._draft_write_ids(kv_plan), commit_positions, plan.commit_lens, N)
         logits_output.hidden_states = None
-        if served is not None and drafted is None:  # a plain step: its cost only, nothing to read
-            served.observe(round_plan, None, None)
-        elif served is not None:  # the round's one host read: the planner's cost and reach labels
+        if served is not None and drafted is not None:  # the round's one host read: the planner's cost and reach labels
             dec = out.host(tree, reach_at=list(round_plan.reach_at), reach_nodes=True)
-            served.observe(round_plan, dec.reach_cum, dec.reach_nodes)
-        if self._plan_store is not None and served.rounds % SAVE_EVERY == 0:
-            self._plan_store.save_from(served)
+            self._observe(served, round_plan, dec.reach_cum, dec.reach_nodes)
+        else:  # a plain step: its cost only, nothing to read
+            self._observe(served, round_plan, None, None)
         tree_budgets = tree.valid.sum(dim=1) - 1  # drafted nodes of each request's tree (fewer at the context's end)
-        logits_output.customized_info = round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, tree_budgets)
-        if self._round_log is not None:
-            self._round_log.record(logits_output.customized_info)
+        self._report(logits_output, round_info_to_host(plan.commit_lens, out.accept_len, out.coverage, tree_budgets))
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=out.bonus, new_seq_lens=plan.new_seq_lens)
-        out_tokens = plan.out_tokens
-        if N < capacity:  # rows keep the server's stride N whatever this round's width
-            out_tokens = torch.nn.functional.pad(out_tokens, (0, capacity - N))
         return GenerationBatchResult(
             logits_output=logits_output,
-            next_token_ids=out_tokens.reshape(-1),
+            next_token_ids=plan.out_tokens.reshape(-1),
             accept_lens=plan.commit_lens,
             can_run_cuda_graph=target_out.can_run_cuda_graph,
             next_draft_input=next_draft_input,
             speculative_num_draft_tokens=capacity,
+            speculative_output_stride=N,  # this round's width: SGLang reads row b at b * N
             new_seq_lens=plan.new_seq_lens,
         )

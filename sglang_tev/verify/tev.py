@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import GREEDY_EPS, SamplingParams, processed_probs
-from ..tree import DraftTree, ExitLaw, _propagate, exit_law, residual_probs
+from ..tree import DraftTree, ExitLaw, _law_dtype, _propagate, exit_law, residual_probs
 from ._common import inverse_cdf
 
 CHUNK_ELEMENTS = 1 << 20
@@ -77,25 +77,18 @@ def tev_verify_logits(tree: DraftTree, target_logits: torch.Tensor, sampling: Sa
     """
     b, n, v = target_logits.shape
     dev = target_logits.device
-    dt = torch.float64 if target_logits.dtype == torch.float64 else torch.float32
+    dt = _law_dtype(target_logits)
     plain = _plain_temperature(sampling, v)
-    inv_t = 1.0 / float(sampling.temperature) if plain else 1.0
 
     def law_rows(x: torch.Tensor) -> torch.Tensor:
-        """Processed law of logits rows [b, r, V], up to a per-row factor; a fresh buffer."""
-        if not plain:
-            return processed_probs(x, sampling)
-        x = x.to(dt)
-        e = torch.add(x.amax(-1, keepdim=True).mul_(-inv_t), x, alpha=inv_t)  # x / T - max / T
-        return e.exp_()
+        return _law_rows(x, sampling, plain, dt)
 
     if n == 1:
         # a root-only tree (a plain decoding step under budget auto): the exit is the root with
-        # probability 1 and the bonus is a draw from its law. The same ops on the same row as
-        # below (law_rows of row 0, then inverse_cdf with uniforms[:, 1]), so the same token;
-        # one pass over the vocabulary instead of two plus the child bookkeeping.
+        # probability 1 and the bonus is a draw from its law (:func:`tev_root_bonus`: the same
+        # ops on the same row as below, so the same token, in one pass over the vocabulary)
         one = torch.ones(b, 1, dtype=dt, device=dev)
-        bonus = inverse_cdf(law_rows(target_logits[:, :1]).squeeze(1), uniforms[:, 1])
+        bonus = tev_root_bonus(target_logits[:, 0], sampling, uniforms[:, 1])
         law = ExitLaw(one, one.clone(), one.clone(), torch.zeros(b, dtype=dt, device=dev))
         return torch.zeros(b, dtype=torch.int64, device=dev), bonus, law
 
@@ -134,6 +127,37 @@ def tev_verify_logits(tree: DraftTree, target_logits: torch.Tensor, sampling: Sa
     has_res = torch.gather(z_nc, 1, exit_node.view(b, 1)) > 0
     bonus = inverse_cdf(torch.where(has_res, residual, p_exit), uniforms[:, 1])
     return exit_node, bonus, law
+
+
+def tev_root_bonus(target_logits: torch.Tensor, sampling: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """The bonus token of a root-only tree (a plain decoding step): one draw from the root's
+    processed target law by inverse CDF with ``u``.
+
+    The same ops on the same row as :func:`tev_verify_logits` on a one-node tree with
+    ``uniforms[:, 1] = u``, so the same token (the exit is the root with probability 1 and the
+    root has no children, so its residual is its law).
+
+    Args:
+        target_logits: float [b, V], the root's logits (bf16 / fp16 upcast to float32).
+        sampling: the target law's parameters (scalars or [b] tensors); a temperature below
+            1e-5 samples the argmax there (``processed_probs``).
+        u: float64 [b] in [0, 1).
+    Returns:
+        int64 [b]. No host sync.
+    """
+    x = target_logits.unsqueeze(1)
+    return inverse_cdf(_law_rows(x, sampling, _plain_temperature(sampling, x.shape[-1]), _law_dtype(x)).squeeze(1), u)
+
+
+def _law_rows(x: torch.Tensor, sampling: SamplingParams, plain: bool, dt: torch.dtype) -> torch.Tensor:
+    """Processed law of logits rows [b, r, V], up to a per-row factor; a fresh buffer. ``plain``
+    (:func:`_plain_temperature`): one temperature, no truncation, so exp((x - max) / T) is it."""
+    if not plain:
+        return processed_probs(x, sampling)
+    inv_t = 1.0 / float(sampling.temperature)
+    x = x.to(dt)
+    e = torch.add(x.amax(-1, keepdim=True).mul_(-inv_t), x, alpha=inv_t)  # x / T - max / T
+    return e.exp_()
 
 
 def _plain_temperature(sampling: SamplingParams, vocab_size: int) -> bool:

@@ -54,6 +54,21 @@ def test_summary_splits_steps_by_round_width():
     assert by["0"]["steps"] == 2 and by["0"]["gap_ms"] == pytest.approx(1.5) and by["0"]["start_ms"] == pytest.approx(11.5)
     assert by["16"]["work_ms"] == pytest.approx(20.0) and by["16"]["start_ms"] == pytest.approx(24.0)
     assert by["16"]["tokens_per_step"] == pytest.approx(2.5)
+    assert "forward_ms" not in by["0"]  # seven-field lines: no forward time
+
+
+def test_summary_splits_the_work_into_forward_and_own():
+    lines = [
+        "tev 0.000 0.010 d 1 1 0 0.008",   # work 10: forward 8, own 2
+        "tev 0.011 0.023 d 1 1 0 0.009",   # work 12: forward 9, own 3
+        "tev 0.024 0.038 d 1 1 0 0.0095",  # work 14: forward 9.5, own 4.5
+        "tev 0.040 0.050 d 1 1 0 0.008",
+    ]
+    row = _module().summarize(lines)
+    assert row["forward_ms"] == pytest.approx(9.0) and row["own_ms"] == pytest.approx(3.0)
+    assert row["by_width"]["0"]["own_ms"] == pytest.approx(3.0)
+    # a mix of old and new lines reports no split rather than one over part of the steps
+    assert "forward_ms" not in _module().summarize(lines[:2] + ["tev 0.024 0.038 d 1 1 0"] + lines[3:])
 
 
 @pytest.mark.parametrize("args, needle", [(["--modes", "nope"], "--modes"), (["--modes", ","], "--modes"),

@@ -77,3 +77,19 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_two_post_import_patches_of_one_module_both_run(tmp_path, monkeypatch):
+    """Two finders patching one module (the step trace's and a CPU-gap patch of SGLang's model
+    runner): each finds the module through the other, and both patches run, in finder order."""
+    (tmp_path / "tev_two_patches_mod.py").write_text("ran = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = H.PostImport({"tev_two_patches_mod": lambda m: m.ran.append("first")})
+    second = H.PostImport({"tev_two_patches_mod": lambda m: m.ran.append("second")})
+    monkeypatch.setattr(sys, "meta_path", [first, second] + sys.meta_path)
+    monkeypatch.delitem(sys.modules, "tev_two_patches_mod", raising=False)
+    import tev_two_patches_mod
+
+    assert tev_two_patches_mod.ran == ["second", "first"]  # the outer finder wraps the inner one's loader
+    assert first._finding == second._finding == set()
+    sys.modules.pop("tev_two_patches_mod", None)

@@ -529,9 +529,11 @@ def _run_worker(monkeypatch, graphs: bool, tiers: bool = False):
     while min(len(o) for o in out) < new_tokens:
         res = w.forward_batch_generation(batch)
         assert res.can_run_cuda_graph is graphs
+        stride = res.speculative_output_stride or res.speculative_num_draft_tokens  # as SGLang reads it
+        assert res.speculative_num_draft_tokens == N and res.next_token_ids.numel() == bs * stride
         for b in range(bs):
             a = int(res.accept_lens[b])
-            out[b] += res.next_token_ids[b * N : b * N + a].tolist()
+            out[b] += res.next_token_ids[b * stride : b * stride + a].tolist()
         rounds.append(res.accept_lens.tolist())
         widths.append(res.logits_output.customized_info["tev_budget"][0] + 1)
         batch.seq_lens = res.new_seq_lens.clone()

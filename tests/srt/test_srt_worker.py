@@ -249,13 +249,14 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         roots = batch.spec_info.bonus_tokens.clone()
         res = w.forward_batch_generation(batch)
         # the scheduler's reading of a spec-v2 result (_resolve_spec_v2_tokens)
-        stride = res.speculative_num_draft_tokens
-        assert stride == N and res.next_token_ids.numel() == bs * N
+        stride = res.speculative_output_stride or res.speculative_num_draft_tokens
+        assert res.speculative_num_draft_tokens == N and res.next_token_ids.numel() == bs * stride
         for b in range(bs):
             a = int(res.accept_lens[b])
             out[b] += res.next_token_ids[b * stride : b * stride + a].tolist()
         info = res.logits_output.customized_info
         wr = max(info["tev_budget"]) + 1  # this round's width: N with a fixed budget
+        assert stride == wr  # rows hold the round's width (one token in a plain step)
         widths.append(wr)
         assert wr == N if budget_mode == "fixed" else 1 <= wr <= N
         held = len(w._draft_kv_pending)
@@ -271,7 +272,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
             # of root + accepted drafts, in order (features are row ids here)
             for b in range(bs):
                 a = int(res.accept_lens[b])
-                want = [int(roots[b])] + res.next_token_ids[b * N : b * N + a - 1].tolist()
+                want = [int(roots[b])] + res.next_token_ids[b * wr : b * wr + a - 1].tolist()
                 rows = last["target_hidden"][b * wr : b * wr + a, 0].long()
                 assert seen["draft_token"][rows].tolist() == want
                 assert bool((rows >= seen["indptr"][b]).all()) and bool((rows < seen["indptr"][b + 1]).all())

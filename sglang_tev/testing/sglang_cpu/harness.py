@@ -231,23 +231,29 @@ class _KernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 # ---------------------------------------------------------------------- SGLang CPU gaps
 class PostImport(importlib.abc.MetaPathFinder):
-    """Runs a patch right after a named module is imported (the module is found as usual)."""
+    """Runs a patch right after a named module is imported (the module is found as usual). Two
+    finders may patch one module: each asks the others, and one already asking answers None."""
 
     def __init__(self, patches):
         self.patches = dict(patches)
+        self._finding = set()
 
     def find_spec(self, fullname, path=None, target=None):
         patch = self.patches.get(fullname)
-        if patch is None:
+        if patch is None or fullname in self._finding:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
+        self._finding.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._finding.discard(fullname)
         loader = spec.loader
         orig_exec = loader.exec_module
 

@@ -14,10 +14,12 @@
   the engine tests of the ragged verify run on (``tests/engine/test_sglang_engine.py``).
 * ``SGLANG_TEV_STEP_TRACE=<file>``: one line per call of the decode worker's
   ``forward_batch_generation`` (``TEVWorker``, else SGLang's ``TpModelWorker``), appended to the
-  file: ``kind t0 t1 mode bs tokens width`` (``perf_counter`` seconds; mode ``d`` decode, ``x``
-  prefill or idle; tokens: committed this step, all requests; width: the widest request's drafted
-  nodes in a TEV round, 0 for a plain step, -1 where unknown). One line per outermost call: the
-  target calls a TEV round or a TEV prefill makes inside it are part of its line.
+  file: ``kind t0 t1 mode bs tokens width forward`` (``perf_counter`` seconds; mode ``d`` decode,
+  ``x`` prefill or idle; tokens: committed this step, all requests; width: the widest request's
+  drafted nodes in a TEV round, 0 for a plain step, -1 where unknown; forward: the seconds spent in
+  SGLang's ``ModelRunner.forward`` during the call, target and drafter, so the rest of the call is
+  the worker's own work). One line per outermost call: the target calls a TEV round or a TEV
+  prefill makes inside it are part of its line.
 
 They act only in processes the CPU harness starts (``SGLANG_TEV_CPU_HARNESS=1`` loads them); the
 plain-step plans only on a ``SGLANG_TEV_BUDGET=auto`` server, the ragged cuts only where the layout
@@ -34,6 +36,7 @@ import time
 __all__ = ["install_plain_steps", "install_ragged_cuts", "install_step_trace"]
 
 _depth = [0]  # worker calls in progress in this process: only the outermost one is written
+_forward_s = [0.0]  # seconds in ModelRunner.forward since the outermost worker call began
 
 
 def _after_import(module: str, fn) -> None:
@@ -117,6 +120,7 @@ def install_step_trace(path: str) -> None:
                 return original(self, batch, *args, **kwargs)
             mode = batch.forward_mode  # read first: a TEV round sets TARGET_VERIFY on the batch
             ext = mode.is_extend() or bool(getattr(batch, "is_extend_in_batch", False)) or mode.is_idle()
+            _forward_s[0] = 0.0
             t0 = time.perf_counter()
             _depth[0] += 1
             try:
@@ -131,11 +135,28 @@ def install_step_trace(path: str) -> None:
             if not ext and isinstance(info, dict) and info.get("tev_budget") is not None:
                 width = int(max(info["tev_budget"], default=-1))
             with open(path, "a") as f:
-                f.write(f"{kind} {t0:.6f} {t1:.6f} {'x' if ext else 'd'} {bs} {tokens} {width}\n")
+                f.write(f"{kind} {t0:.6f} {t1:.6f} {'x' if ext else 'd'} {bs} {tokens} {width} {_forward_s[0]:.6f}\n")
             return res
 
         timed._step_trace = True
         cls.forward_batch_generation = timed
 
+    def wrap_forward(module) -> None:
+        cls = module.ModelRunner
+        original = cls.forward
+        if getattr(original, "_step_trace", False):
+            return
+
+        def timed_forward(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _forward_s[0] += time.perf_counter() - t0
+
+        timed_forward._step_trace = True
+        cls.forward = timed_forward
+
     _after_import("sglang_tev.srt.worker", lambda m: wrap(m.TEVWorker, "tev"))
     _after_import("sglang.srt.managers.tp_worker", lambda m: wrap(m.TpModelWorker, "plain"))
+    _after_import("sglang.srt.model_executor.model_runner", wrap_forward)
