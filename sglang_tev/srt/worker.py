@@ -517,6 +517,17 @@ class TEVWorker(DFlashWorkerV2):
         if self._round_log is not None:
             self._round_log.record(info)
 
+    def _target_logits(self, target_out) -> tuple[LogitsProcessorOutput, torch.Tensor]:
+        """The target forward's output and its logits [rows, V], gathered across TP ranks where
+        SGLang deferred the gather (``is_deferred_shard``)."""
+        logits_output: LogitsProcessorOutput = target_out.logits_output
+        logits = logits_output.next_token_logits
+        target_lp = self._target_logits_processor
+        if target_lp is not None and target_lp.is_deferred_shard(logits):
+            logits = target_lp.finish_deferred_gather(logits)
+            logits_output.next_token_logits = logits
+        return logits_output, logits
+
     def _lean_plain_step_fits(self, batch) -> bool:
         """Whether a plain step for the whole batch can skip the round's tree machinery
         (:meth:`_plain_step`): no grammar, logprobs or penalties (each walks the tree's nodes),
@@ -541,12 +552,7 @@ class TEVWorker(DFlashWorkerV2):
         prefix = batch.seq_lens
         roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
         target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
-        logits_output: LogitsProcessorOutput = target_out.logits_output
-        logits = logits_output.next_token_logits
-        target_lp = self._target_logits_processor
-        if target_lp is not None and target_lp.is_deferred_shard(logits):
-            logits = target_lp.finish_deferred_gather(logits)
-            logits_output.next_token_logits = logits
+        logits_output, logits = self._target_logits(target_out)
         sampling_info = batch.sampling_info
         apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info, draft_token_num=1)
         all_greedy = bool(getattr(sampling_info, "is_all_greedy", False))  # a host flag: no read
@@ -680,12 +686,7 @@ class TEVWorker(DFlashWorkerV2):
                 target_out, kv_plan = self._verify_forward(batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner, pack)
         if tiers is not None and target_out.can_run_cuda_graph:
             tiers.replayed(N)
-        logits_output: LogitsProcessorOutput = target_out.logits_output
-        logits = logits_output.next_token_logits
-        target_lp = self._target_logits_processor
-        if target_lp is not None and target_lp.is_deferred_shard(logits):
-            logits = target_lp.finish_deferred_gather(logits)
-            logits_output.next_token_logits = logits
+        logits_output, logits = self._target_logits(target_out)
         if pack is not None:  # back to the [bs * N] node rows the round reads (cut nodes: a root's, never reached)
             for name in ("next_token_logits", "hidden_states"):
                 setattr(logits_output, name, getattr(logits_output, name).index_select(0, pack.expand))
