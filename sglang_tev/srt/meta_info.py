@@ -112,24 +112,28 @@ def round_info_to_host(
         host.copy_(info, non_blocking=True)
     else:
         host = info
-    return _columns(host)
+    return round_columns(host)
 
 
-def plain_round_info(bs: int) -> dict:
-    """:func:`round_info_to_host` of a plain step (every request's tree root-only): one token
-    committed, exit depth 0, coverage 0, budget 0. Built on the host: no device read.
+def plain_round_host(bs: int) -> torch.Tensor:
+    """The host values of a plain step's ``customized_info`` (every request's tree root-only): one
+    token committed, exit depth 0, coverage 0, budget 0. Built on the host: no device read. The same
+    every plain step of ``bs`` requests, so a worker may keep it; each round still needs columns of
+    its own (:func:`round_columns`): :class:`RoundLog` tracks what the scheduler read per column.
 
     Args:
         bs: requests in the batch.
     Returns:
-        ``{key: RoundColumn}`` over a float32 [len(META_INFO_KEYS), bs] CPU tensor.
+        float32 [len(META_INFO_KEYS), bs] CPU tensor.
     """
     host = torch.zeros(len(META_INFO_KEYS), bs, dtype=torch.float32)
     host[META_INFO_KEYS.index("tev_accept_length")] = 1.0
-    return _columns(host)
+    return host
 
 
-def _columns(host: torch.Tensor) -> dict:
+def round_columns(host: torch.Tensor) -> dict:
+    """A round's ``{key: RoundColumn}`` over its host values float32 [len(META_INFO_KEYS), bs]
+    (fresh column objects: each keeps whether it was read)."""
     return {key: RoundColumn(host, row, cast) for row, (key, cast) in enumerate(zip(META_INFO_KEYS, (int, int, float, int)))}
 
 

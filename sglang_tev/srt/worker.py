@@ -83,7 +83,7 @@ from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
 from .plan_store import SAVE_EVERY, ServedPlanStore, served_key
 from .kv_headroom import check_row_headroom
-from .meta_info import META_INFO_KEYS, RoundLog, plain_round_info, round_info_to_host
+from .meta_info import META_INFO_KEYS, RoundLog, plain_round_host, round_columns, round_info_to_host
 from .penalties import apply_tree_penalties, batch_penalizer, count_accepted
 from .round import (
     adopt_rank0_decision,
@@ -202,7 +202,7 @@ class TEVWorker(DFlashWorkerV2):
         # auto on CUDA: a target verify graph runner per tree-size tier (graph_tiers), built at start-up
         self._tier_backends, self._graph_tiers = {}, None
         # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
-        self._plain_info = {}  # batch size -> a plain step's customized_info (the same values every step)
+        self._plain_info = {}  # batch size -> a plain step's customized_info values (the same every step)
         self._round_log = (
             RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)
             if get_parallel().tp_rank == 0
@@ -578,10 +578,10 @@ class TEVWorker(DFlashWorkerV2):
         self._write_draft_kv(logits_output.hidden_states, self._draft_write_ids(kv_plan), prefix.to(torch.int64), ones, 1)
         logits_output.hidden_states = None
         self._observe(served, round_plan, None, None)
-        info = self._plain_info.get(bs)
-        if info is None:
-            info = self._plain_info[bs] = plain_round_info(bs)
-        self._report(logits_output, info)
+        host = self._plain_info.get(bs)
+        if host is None:
+            host = self._plain_info[bs] = plain_round_host(bs)
+        self._report(logits_output, round_columns(host))  # columns of its own: RoundLog tracks their reads
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=bonus.to(torch.int64, copy=True),  # a copy: the bonus is also the next root

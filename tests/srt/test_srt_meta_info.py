@@ -210,3 +210,37 @@ def test_round_log_lines(caplog):
     assert len(rl._pending) <= 2 and rl.emit() is None
     with pytest.raises(ValueError, match="interval"):
         RoundLog(0)
+
+
+def test_round_log_keeps_a_tree_round_in_flight_between_plain_steps(caplog):
+    """Plain steps share their host values (``plain_round_host``, kept per batch size by the worker)
+    but each gets columns of its own: a plain step the scheduler has not read yet is not counted,
+    and a tree round still in flight when a later plain step is recorded is logged once read."""
+    from sglang_tev.srt.meta_info import plain_round_host, round_columns, round_info_to_host
+
+    def read(cols):
+        for k in META_INFO_KEYS:
+            list(cols[k])
+
+    host = plain_round_host(2)
+    log = logging.getLogger("test_round_log_plain")
+    rl = RoundLog(2, log)
+    with caplog.at_level(logging.INFO, logger="test_round_log_plain"):
+        for _ in range(2):  # two plain steps, read
+            c = round_columns(host)
+            rl.record(c)
+            read(c)
+        tree = round_info_to_host(torch.tensor([5, 5]), torch.tensor([4, 4]), torch.tensor([3.0, 3.0]), torch.tensor([16, 16]))
+        rl.record(tree)  # in flight
+        rl.record(round_columns(host))  # a line: the two read plain steps; the tree round waits
+        read(tree)
+        for _ in range(2):
+            c = round_columns(host)
+            rl.record(c)
+            read(c)
+    lines = [r.getMessage().split(":")[1].split(",")[:3] for r in caplog.records]
+    # a line every 2 rounds over the rounds read by then: the plain step recorded while the tree
+    # round was in flight is never read (skipped), the tree round is counted once read
+    assert lines == [[" 1 rounds", " 2 request-rounds"], [" 1 rounds", " 2 request-rounds"], [" 2 rounds", " 4 request-rounds"]], lines
+    assert "mean budget 8.0" in caplog.records[-1].getMessage()
+    assert round_columns(host)[META_INFO_KEYS[0]] is not round_columns(host)[META_INFO_KEYS[0]]

@@ -115,7 +115,7 @@ def test_plain_step_equals_the_root_only_round(monkeypatch, law, pending):
             forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False), is_extend_in_batch=False,
             has_grammar=False, return_logprob=False, out_cache_loc=None, reqs=reqs,
         )  # fmt: skip
-        published, steps = [], []
+        published, steps, columns = [], [], []
         for _ in range(3):  # three steps: the generator's stream and the held writes carry over
             res = w.forward_batch_generation(batch, on_publish=published.append)
             stride = res.speculative_output_stride or res.speculative_num_draft_tokens
@@ -125,10 +125,12 @@ def test_plain_step_equals_the_root_only_round(monkeypatch, law, pending):
                               info={k: list(v) for k, v in res.logits_output.customized_info.items()},
                               hidden=res.logits_output.hidden_states, n=res.speculative_num_draft_tokens))
             assert res.next_token_ids.data_ptr() != res.next_draft_input.bonus_tokens.data_ptr()
+            columns.append(res.logits_output.customized_info["tev_budget"])
             batch.seq_lens, batch.seq_lens_cpu = res.new_seq_lens.clone(), res.new_seq_lens.clone()
             batch.seq_lens_sum = int(batch.seq_lens.sum())
             batch.spec_info = res.next_draft_input
         held = w._draft_kv_pending.take() if pending else None
+        assert len({id(c) for c in columns}) == 3  # each round's own columns (the periodic log tracks their reads)
         state[name] = dict(steps=steps, published=[p.tolist() for p in published], observed=observed, gen=w._tev_generator.get_state(),
                            held=held, appended=appended)
     assert called and all(c is lean[0] for c in called) and len(called) == 3
