@@ -556,6 +556,28 @@ def test_plain_steps_equal_sglangs_plain_decoding(plain_steps, plain):
     assert_alive(plain_steps)
 
 
+def test_plain_steps_in_a_mixed_batch(plain_steps, tokenizer, hf_model, hf_greedy):
+    """Plain steps for a batch of greedy and seeded sampled requests at once (the worker's lean
+    plain step: no logprobs, penalties or grammars): greedy rows are the target's greedy tokens (up
+    to near-tie flips), sampled rows run to their length, every round is a plain step, and each
+    request's per-round meta info is complete."""
+    texts = [PROMPTS[i] for i in (0, 1, 2, 3)]
+    bodies = [greedy(texts[0], 20), greedy(texts[1], 20),
+              greedy(texts[2], 20, temperature=1.0, top_p=0.95, sampling_seed=7, ignore_eos=True),
+              greedy(texts[3], 20, temperature=0.8, top_k=30, sampling_seed=8, ignore_eos=True)]
+    wait_idle(plain_steps)
+    out = run_all(*[(lambda b=b: ok(plain_steps, "/generate", b)) for b in bodies])
+    ids = [tokenizer(t).input_ids for t in texts[:2]]
+    got = [o["output_ids"] for o in out[:2]]
+    assert_matches_hf(got, [hf_greedy(i, len(g)) for i, g in zip(ids, got)], ids, hf_model, "greedy rows among plain steps")
+    for o in out:
+        m = o["meta_info"]
+        assert set(m.get("tev_budget", [])) <= {0} and len(m["tev_budget"]) == m["spec_verify_ct"], m
+        assert m["tev_accept_length"] == [1] * len(m["tev_budget"]), m
+    assert all(len(o["output_ids"]) == 20 for o in out[2:])
+    assert_alive(plain_steps)
+
+
 # ---------------------------------------------------------------------- the audit: n > 1, refusals
 def test_parallel_sampling_n_greater_than_one_is_served(tev, tokenizer, hf_model, hf_greedy):
     """``n`` = 2 on ``/generate`` (``sampling_params.n``) and on ``/v1/completions``: served; greedy

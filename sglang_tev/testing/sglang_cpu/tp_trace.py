@@ -2,8 +2,9 @@
 not a stand-in: nothing it wraps changes behaviour).
 
 With ``SGLANG_TEV_TP_TRACE=<folder>`` (and the harness on ``PYTHONPATH``, as ``sitecustomize``
-loads this module), ``sglang_tev.srt.worker.commit_outputs`` is wrapped right after the worker
-module is imported: each call appends one JSON line to ``<folder>/rank<R>.jsonl``, where R is the
+loads this module), ``sglang_tev.srt.worker.commit_outputs`` and ``TEVWorker._plain_step`` (a plain
+step that builds no tree: recorded as its root-only trees) are wrapped right after the worker
+module is imported: each round appends one JSON line to ``<folder>/rank<R>.jsonl``, where R is the
 process's ``torch.distributed`` rank (0 without a process group). So a ``--tp-size 2`` Engine
 leaves one file per TP rank, and a test can compare the ranks' decisions round by round.
 
@@ -31,25 +32,37 @@ def _wrap_worker(mod) -> None:
     folder = tev_env.get(ENV)
     orig = mod.commit_outputs
 
+    orig_plain = mod.TEVWorker._plain_step
+
+    def write(line: dict) -> None:
+        with open(os.path.join(folder, f"rank{_rank()}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def commit_outputs(tree, out, seq_lens):
         plan = orig(tree, out, seq_lens)
-        line = dict(
+        write(dict(
             seq_lens=seq_lens.tolist(),
             parents=tree.parents.tolist(),
             tokens=tree.tokens.tolist(),
             exit_node=out.exit_node.tolist(),
             bonus=out.bonus.view(-1).tolist(),
             commit_lens=plan.commit_lens.tolist(),
-        )
-        with open(os.path.join(folder, f"rank{_rank()}.jsonl"), "a") as f:
-            f.write(json.dumps(line) + "\n")
+        ))
         return plan
 
+    def plain_step(self, batch, draft_input, *args):
+        seq_lens, roots = batch.seq_lens.tolist(), draft_input.bonus_tokens.view(-1).tolist()
+        res = orig_plain(self, batch, draft_input, *args)
+        write(dict(seq_lens=seq_lens, parents=[[-1]] * len(roots), tokens=[[r] for r in roots], exit_node=[0] * len(roots),
+                   bonus=res.next_token_ids.view(-1).tolist(), commit_lens=res.accept_lens.tolist()))
+        return res
+
     mod.commit_outputs = commit_outputs
+    mod.TEVWorker._plain_step = plain_step
 
 
 def install() -> None:
-    """Wrap the worker's ``commit_outputs`` when ``SGLANG_TEV_TP_TRACE`` names a folder."""
+    """Wrap the worker's ``commit_outputs`` and plain step when ``SGLANG_TEV_TP_TRACE`` names a folder."""
     if not tev_env.get(ENV):
         return
     import sys
