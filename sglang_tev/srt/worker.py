@@ -24,8 +24,8 @@ applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the
 
 A round planned as a plain step for the whole batch (``SGLANG_TEV_BUDGET=auto``, budget 0) drafts
 nothing and, without target CUDA graphs, runs the target as SGLang's own DECODE forward
-(``_decode_forward``); its token is drawn by the same verifier from a root-only tree and its
-drafter KV is held, then written with the other held steps' at once before the drafter next reads
+(``_decode_forward``); its token is drawn as the verifier draws a root-only tree's (without
+building one where the batch needs no tree: ``_plain_step``) and its drafter KV is held, then written with the other held steps' at once before the drafter next reads
 its pool (``draft_kv.PendingDraftKV``). With CUDA graphs, ``auto`` captures a target verify graph per
 tree-size tier (``graph_tiers``: 1 node for a plain step, ..., N) and each round replays its width's.
 
@@ -201,8 +201,8 @@ class TEVWorker(DFlashWorkerV2):
         self._draft_kv_pending = PendingDraftKV() if held_refusal is None else None
         # auto on CUDA: a target verify graph runner per tree-size tier (graph_tiers), built at start-up
         self._tier_backends, self._graph_tiers = {}, None
-        # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
         self._plain_info = {}  # batch size -> a plain step's customized_info values (the same every step)
+        # the TEV line of the periodic log (rank 0 only), at SGLang's decode-log cadence
         self._round_log = (
             RoundLog(max(1, int(getattr(server_args, "decode_log_interval", 40) or 40)), logger)
             if get_parallel().tp_rank == 0
@@ -546,8 +546,9 @@ class TEVWorker(DFlashWorkerV2):
         column (the same token, field for field the same result: ``tests/srt/test_srt_plain_step.py``),
         the drafter-KV write held, and a result whose rows hold one token each
         (``speculative_output_stride`` 1; a tree round's rows hold its width). Only where
-        :meth:`_lean_plain_step_fits`; the round's own lines cost ~10 % of a small model's step on
-        CPU (docs/benchmarks.md)."""
+        :meth:`_lean_plain_step_fits`. On the CPU server the general round's own work in a plain
+        step was about twice SGLang's (0.74 against 0.36 ms), this step's 0.56 (docs/benchmarks.md,
+        "A plain step without the tree machinery")."""
         bs = len(batch.seq_lens)
         prefix = batch.seq_lens
         roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
