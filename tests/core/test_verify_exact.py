@@ -240,7 +240,7 @@ def test_root_only_tree_draws_what_the_general_path_draws(name, dtype):
     general path on the same tree with a padded second node (no child, so the same law): exit node,
     bonus and exit law, for scalar and per-row sampling parameters (greedy rows among them)."""
     from sglang_tev.tree import DraftTree
-    from sglang_tev.verify.tev import tev_verify_logits
+    from sglang_tev.verify.tev import tev_root_bonus, tev_verify_logits
 
     b, vocab = 64, 11
     sampling = SAMPLINGS.get(name) or SamplingParams(
@@ -258,6 +258,7 @@ def test_root_only_tree_draws_what_the_general_path_draws(name, dtype):
     ex2, bonus2, law2 = tev_verify_logits(padded, logits, sampling, u)
     assert torch.equal(ex1, torch.zeros(b, dtype=torch.int64)) and torch.equal(ex1, ex2)
     assert torch.equal(bonus1, bonus2)
+    assert torch.equal(tev_root_bonus(logits[:, 0], sampling, u[:, 1]), bonus2)  # the SGLang plain step's draw
     for a, c in ((law1.P, law2.P[:, :1]), (law1.rho, law2.rho[:, :1]), (law1.w, law2.w[:, :1]),
                  (law1.coverage, law2.coverage)):
         assert a.dtype == c.dtype and torch.equal(a, c)
