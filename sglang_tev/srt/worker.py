@@ -25,7 +25,7 @@ applied per node by ``penalties.py`` on SGLang's penalizer state). Replaced: the
 A round planned as a plain step for the whole batch (``SGLANG_TEV_BUDGET=auto``, budget 0) drafts
 nothing and, without target CUDA graphs, runs the target as SGLang's own DECODE forward
 (``_decode_forward``); its token is drawn as the verifier draws a root-only tree's (without
-building one where the batch needs no tree: ``_plain_step``) and its drafter KV is held, then written with the other held steps' at once before the drafter next reads
+building one where the batch needs no tree: ``_plain_step``, ``plain_step.py``) and its drafter KV is held, then written with the other held steps' at once before the drafter next reads
 its pool (``draft_kv.PendingDraftKV``). With CUDA graphs, ``auto`` captures a target verify graph per
 tree-size tier (``graph_tiers``: 1 node for a plain step, ..., N) and each round replays its width's.
 
@@ -71,20 +71,18 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from ..env import check_environment
 from ..hf.plan_cache import enabled as plan_cache_enabled
 from ..tree import root_only_tree
-from ..spec import is_scalar_greedy
 from ..verify import num_uniforms
-from ..verify._common import argmax_last
-from ..verify.tev import tev_root_bonus
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
 from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
 from .draft_kv import PendingDraftKV, held_writes_refusal, install_context_kv_writer
 from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
 from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
+from .plain_step import PlainStepMixin
 from .plan_store import SAVE_EVERY, ServedPlanStore, served_key
 from .kv_headroom import check_row_headroom
-from .meta_info import META_INFO_KEYS, RoundLog, plain_round_host, round_columns, round_info_to_host
-from .penalties import apply_tree_penalties, batch_penalizer, count_accepted
+from .meta_info import META_INFO_KEYS, RoundLog, round_info_to_host
+from .penalties import apply_tree_penalties, count_accepted
 from .round import (
     adopt_rank0_decision,
     build_lattice_trees,
@@ -138,7 +136,7 @@ def _row_temperatures(sampling, reqs) -> list[float]:
     return [0.0 if r.sampling_params.top_k <= 1 else as_float32(r.sampling_params.temperature) for r in reqs]
 
 
-class TEVWorker(DFlashWorkerV2):
+class TEVWorker(PlainStepMixin, DFlashWorkerV2):
     """DFlash V2 worker whose decode round drafts a DDTree and verifies it with TEV."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
@@ -527,72 +525,6 @@ class TEVWorker(DFlashWorkerV2):
             logits = target_lp.finish_deferred_gather(logits)
             logits_output.next_token_logits = logits
         return logits_output, logits
-
-    def _lean_plain_step_fits(self, batch) -> bool:
-        """Whether a plain step for the whole batch can skip the round's tree machinery
-        (:meth:`_plain_step`): no grammar, logprobs or penalties (each walks the tree's nodes),
-        the TEV verifier (its root-only draw is :func:`tev_root_bonus`), and a DECODE forward
-        (no target CUDA graph: those are captured for TARGET_VERIFY). Host flags only."""
-        if batch.has_grammar or batch.return_logprob or self.tev.verifier != "tev":
-            return False
-        tiers = self._graph_tiers
-        runner = tiers.runner_for(1) if tiers is not None else getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
-        return runner is None and batch_penalizer(batch.sampling_info) is None
-
-    def _plain_step(self, batch, draft_input, served, round_plan, seq_lens_cpu, seq_lens_sum, on_publish):
-        """A plain decoding step for the whole batch (every budget 0), as the round on root-only
-        trees computes it without building them: SGLang's DECODE forward of each request's root,
-        its logit adjustments, the bonus drawn by :func:`tev_root_bonus` from the same uniform
-        column (the same token, field for field the same result: ``tests/srt/test_srt_plain_step.py``),
-        the drafter-KV write held, and a result whose rows hold one token each
-        (``speculative_output_stride`` 1; a tree round's rows hold its width). Only where
-        :meth:`_lean_plain_step_fits`. On the CPU server the general round's own work in a plain
-        step was about twice SGLang's (0.74 against 0.36 ms), this step's 0.56 (docs/benchmarks.md,
-        "A plain step without the tree machinery")."""
-        bs = len(batch.seq_lens)
-        prefix = batch.seq_lens
-        roots = draft_input.bonus_tokens.view(-1).to(torch.int64)
-        target_out, kv_plan = self._decode_forward(batch, roots, seq_lens_cpu, seq_lens_sum)
-        logits_output, logits = self._target_logits(target_out)
-        sampling_info = batch.sampling_info
-        apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info, draft_token_num=1)
-        all_greedy = bool(getattr(sampling_info, "is_all_greedy", False))  # a host flag: no read
-        sampling = sampling_params_from_info(sampling_info, batch.reqs)
-        if is_scalar_greedy(sampling.temperature):
-            bonus = argmax_last(logits)
-        else:  # the uniforms the round would draw for a one-node tree, column 1 the bonus's
-            seeds = getattr(sampling_info, "sampling_seed", None)
-            count = num_uniforms(self.tev.verifier, 1)
-            if seeds is not None and not all_greedy:
-                uniforms = seeded_uniforms(seeds, prefix, count)
-            else:
-                uniforms = torch.rand(bs, count, dtype=torch.float64, device=logits.device, generator=self._tev_generator)
-            bonus = tev_root_bonus(logits, sampling, uniforms[:, 1])
-        site = SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if all_greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
-        if self._tp_sync.enabled(site):  # TP > 1: rank 0's token (the exit is the root on every rank)
-            bonus = self._tp_sync.sync(site, bonus.contiguous())
-        ones = torch.ones(bs, dtype=torch.int32, device=self.device)
-        new_seq_lens = prefix + 1
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        # a held write copies its rows; one written at once is read before the next step
-        self._write_draft_kv(logits_output.hidden_states, self._draft_write_ids(kv_plan), prefix.to(torch.int64), ones, 1)
-        logits_output.hidden_states = None
-        self._observe(served, round_plan, None, None)
-        host = self._plain_info.get(bs)
-        if host is None:
-            host = self._plain_info[bs] = plain_round_host(bs)
-        self._report(logits_output, round_columns(host))  # columns of its own: RoundLog tracks their reads
-        return GenerationBatchResult(
-            logits_output=logits_output,
-            next_token_ids=bonus.to(torch.int64, copy=True),  # a copy: the bonus is also the next root
-            accept_lens=ones,
-            can_run_cuda_graph=target_out.can_run_cuda_graph,
-            next_draft_input=self._make_next_draft_input_decode(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
-            speculative_num_draft_tokens=self.tev.tree_size,
-            speculative_output_stride=1,
-            new_seq_lens=new_seq_lens,
-        )
 
     def _tev_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
