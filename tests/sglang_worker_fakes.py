@@ -91,3 +91,19 @@ def build_tev_worker(monkeypatch, *, tree_size, block_size, max_depth, topk, ver
     w = W.TEVWorker(SimpleNamespace(random_seed=seed), 0, 0, target_worker)
     assert w.draft_model.block_size == block_size and w._tev_draft.mode == "marginal"
     return w
+
+
+def patch_forward_plumbing(monkeypatch, vocab: int, candidate_topk=None) -> None:
+    """SGLang's GPU-only forward plumbing replaced in the worker's modules (``worker.py`` runs the
+    verify and DECODE forwards, ``draft_block.py`` the draft block): ``ForwardBatch`` as a plain
+    namespace, no token-count tensor (it reads the published parallel config), a small embedding
+    for the draft block, and ``candidate_topk`` (the drafter's head) when given."""
+    import sglang_tev.srt.draft_block as D
+    import sglang_tev.srt.worker as W
+
+    for mod in (W, D):
+        monkeypatch.setattr(mod, "ForwardBatch", lambda **kw: SimpleNamespace(**kw))
+        monkeypatch.setattr(mod, "enable_num_token_non_padded", lambda: False)
+    monkeypatch.setattr(D, "_resolve_dflash_embedding_module", lambda draft, tgt: torch.nn.Embedding(vocab, 4))
+    if candidate_topk is not None:
+        monkeypatch.setattr(D, "candidate_topk", candidate_topk)

@@ -193,7 +193,7 @@ def pad_tree_mask(mask: torch.Tensor, bs: int, padded_bs: int, tree_size: int, f
 
 # ---------------------------------------------------------------------- draft head
 def draft_topk_from_hidden(
-    hidden_states: torch.Tensor, block_size: int, lm_head, k: int, topk_fn: Callable
+    hidden_states: torch.Tensor, block_size: int, lm_head, k: int, topk_fn: Callable, depth: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TEV's draft head: per-depth top-k of the drafter's log-probabilities.
 
@@ -206,16 +206,23 @@ def draft_topk_from_hidden(
         topk_fn: ``candidate_topk``-like ``fn(hidden [n, H], lm_head, k, with_partition=True)
             -> (ids [n, k], vals [n, k], lse [n])`` (SGLang's ``srt/models/dflash.py:107-154``:
             top-k logits and the full-vocabulary log-sum-exp, all-gathered under TP).
+        depth: D, the depths read (1 <= D <= K - 1; None: K - 1): rows past D go through no LM
+            head (a tree of B nodes reaches depth B at most).
     Returns:
-        (logq float32 [bs, K-1, k] = vals - lse, ids int64 [bs, K-1, k]). No host sync beyond
+        (logq float32 [bs, D, k] = vals - lse, ids int64 [bs, D, k]). No host sync beyond
         what ``topk_fn`` does (SGLang's: none), so it can run inside a captured graph.
+    Raises:
+        ValueError naming ``depth`` outside [1, K - 1].
     """
+    D = block_size - 1 if depth is None else int(depth)
+    if not 1 <= D <= block_size - 1:
+        raise ValueError(f"depth must be in [1, {block_size - 1}] (the block's mask slots), got {depth!r}")
     H = hidden_states.shape[-1]
     bs = hidden_states.shape[0] // block_size
-    hs = hidden_states.view(bs, block_size, H)[:, 1:, :].reshape(-1, H)
+    hs = hidden_states.view(bs, block_size, H)[:, 1 : D + 1, :].reshape(-1, H)
     ids, vals, lse = topk_fn(hs, lm_head, k, with_partition=True)
-    logq = (vals.float() - lse.float().unsqueeze(-1)).view(bs, block_size - 1, k)
-    return logq, ids.view(bs, block_size - 1, k).to(torch.int64)
+    logq = (vals.float() - lse.float().unsqueeze(-1)).view(bs, D, k)
+    return logq, ids.view(bs, D, k).to(torch.int64)
 
 
 class TevDraftHead:

@@ -56,28 +56,27 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
     enable_num_token_non_padded,
 )
-from sglang.srt.models.dflash import candidate_topk
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments, parse_dflash_draft_config
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
-from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from ..env import check_environment
 from ..hf.plan_cache import enabled as plan_cache_enabled
 from ..tree import root_only_tree
 from ..verify import num_uniforms
 from .config import RAGGED_VERIFY_BACKENDS, settings_from_server_args, verify_layout_for
-from .dflash2 import DraftServing, resolve_draft_serving, selector_lattice_from_hidden
+from .dflash2 import DraftServing, resolve_draft_serving
 from .draft_kv import PendingDraftKV, held_writes_refusal, install_context_kv_writer
-from .graphs import TevDraftHead, build_tev_draft_head, draft_topk_from_hidden, graph_padded_batch_size, pad_tree_mask
+from .graphs import build_tev_draft_head, graph_padded_batch_size, pad_tree_mask
 from .graph_tiers import build_tier_backends, capture_tiers, wanted_tier_sizes
 from .budget import ServedBudget
+from .draft_block import DraftBlockMixin
 from .plain_step import PlainStepMixin
 from .plan_store import SAVE_EVERY, ServedPlanStore, served_key
 from .kv_headroom import check_row_headroom
@@ -136,7 +135,7 @@ def _row_temperatures(sampling, reqs) -> list[float]:
     return [0.0 if r.sampling_params.top_k <= 1 else as_float32(r.sampling_params.temperature) for r in reqs]
 
 
-class TEVWorker(PlainStepMixin, DFlashWorkerV2):
+class TEVWorker(PlainStepMixin, DraftBlockMixin, DFlashWorkerV2):
     """DFlash V2 worker whose decode round drafts a DDTree and verifies it with TEV."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
@@ -161,6 +160,7 @@ class TEVWorker(PlainStepMixin, DFlashWorkerV2):
         self.draft_model.set_block_size(self.block_size)
         self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
         self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=self.block_size, device=self.device)
+        self._cut_block_spec_infos, self._block_cut = {}, None  # auto's shorter draft blocks (draft_block.py)
         self.speculative_num_draft_tokens = self.tev.tree_size
         # the drafter's context KV of every layer at once (draft_kv.py; SGLang's per-layer path otherwise)
         kv_writer = install_context_kv_writer(self)
@@ -258,40 +258,6 @@ class TEVWorker(PlainStepMixin, DFlashWorkerV2):
             self._append_target_hidden_to_draft_kv_by_loc(**held)
 
     # ------------------------------------------------------------------ the round
-    def _draft_topk(self, batch, draft_input, seq_lens_cpu, seq_lens_sum):
-        """Draft block forward -> (topk_logprobs float32 [bs, K-1, k], topk_ids int64 [bs, K-1, k]).
-
-        When the draft runner replayed its CUDA graph (``out.can_run_graph``), the top-k were
-        computed inside it by the folded head (``graphs.TevDraftHead``, static buffers); otherwise
-        the same function runs eagerly on the forward's hidden states. A DFlash2 drafter with a
-        non-neutral transform gets its full-vocabulary logits transformed first
-        (``dflash2.transformed_candidate_topk``, marginal mode)."""
-        target_model = self.target_worker.model_runner.model
-        lm_head = unwrap_lora_layer(target_model.lm_head)
-        topk_fn = self._tev_draft.marginal_topk_fn(candidate_topk)
-
-        def head_fn(draft_out, bs):
-            head = getattr(self, "_draft_sampler", None)
-            if isinstance(head, TevDraftHead) and getattr(draft_out, "can_run_graph", False):
-                return head.read(bs)  # computed inside the replayed draft graph
-            hidden = draft_out.logits_output.hidden_states
-            return draft_topk_from_hidden(hidden, self.block_size, lm_head, self.tev.topk, topk_fn=topk_fn)
-
-        return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
-
-    def _draft_lattice(self, batch, draft_input, seq_lens_cpu, seq_lens_sum):
-        """Draft block forward (SGLang's DFlash2 model: conv included) -> the selector lattice
-        (candidate_ids int64 [bs, K-1, k], trans_logq float32 [bs, K-1, k, k]), eagerly on the
-        forward's hidden states (``dflash2.selector_lattice_from_hidden``), anchored at the
-        block's root (the bonus token)."""
-        anchor = draft_input.bonus_tokens.view(-1)
-
-        def head_fn(draft_out, bs):
-            hidden = draft_out.logits_output.hidden_states
-            return selector_lattice_from_hidden(hidden, self.block_size, self.draft_model, anchor)
-
-        return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn)
-
     def _first_auto_decode(self, served: ServedBudget) -> None:
         """The verify layout: under ``auto-ragged`` per-request tree sizes (ragged verify) where the
         target's attention backend takes them, else one width per round for the batch; said once,
@@ -333,59 +299,6 @@ class TEVWorker(PlainStepMixin, DFlashWorkerV2):
             draft_token_num=width,
             device=self.device,
         )
-
-    def _draft_block(self, batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn):
-        """The draft block ``[root, MASK x (K-1)]`` forward on the draft runner, then
-        ``head_fn(draft_out, bs)`` inside the same inference / draft-TP scope; returns its result."""
-        bs = len(batch.seq_lens)
-        K = self.block_size
-        dev = self.device
-        prefix = batch.seq_lens
-        target_model = self.target_worker.model_runner.model
-        embed = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model, target_model))
-
-        block_ids = torch.full((bs, K), int(self._mask_token_id), dtype=torch.int64, device=dev)
-        block_ids[:, 0] = draft_input.bonus_tokens.view(-1)
-        positions = (prefix.view(bs, 1).to(torch.int64) + self._block_pos_offsets.view(1, K)).reshape(-1)
-        cache_loc = self._window_locs(batch, K)
-        if self._full_embed_gpu is not None:
-            emb = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
-        else:
-            emb = embed(block_ids)
-        if self._noise_embed_scale != 1.0:
-            emb = emb * self._noise_embed_scale
-        seq_lens_cpu = seq_lens_cpu + K  # host bound: committed prefix + the block (as DFlash)
-        plan = self.target_worker.model_runner.kv_index_translator.plan(
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=prefix,
-            seq_lens_cpu=seq_lens_cpu,
-            write_virtual=cache_loc,
-            read_extent=K,
-        )
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=bs,
-            input_ids=block_ids.flatten(),
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=prefix,
-            out_cache_loc=cache_loc,
-            seq_lens_sum=seq_lens_sum + bs * K,
-            seq_lens_cpu=seq_lens_cpu,
-            positions=positions,
-            input_embeds=emb.view(-1, emb.shape[-1]),
-            spec_algorithm=SpeculativeAlgorithm.DFLASH,
-            spec_info=self._draft_block_spec_info,
-            capture_hidden_mode=CaptureHiddenMode.NULL,
-            num_token_non_padded=(
-                torch.full((), bs * K, dtype=torch.int32, device=dev) if enable_num_token_non_padded() else None
-            ),
-            global_num_token_non_padded_cpu=bs * K,
-            can_run_decode_cuda_graph=getattr(batch, "can_run_decode_cuda_graph", False),  # read only under MLP sync
-        )
-        plan.bind(fb, self.draft_model_runner.kv_index_translator)
-        with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
-            draft_out = self.draft_model_runner.forward(fb)
-            return head_fn(draft_out, bs)
 
     def _verify_forward(self, batch, layout, N, seq_lens_cpu, seq_lens_sum, graph_runner, pack=None):
         """The target's TARGET_VERIFY forward over this round's trees (``layout``: N nodes a request
@@ -584,8 +497,10 @@ class TEVWorker(PlainStepMixin, DFlashWorkerV2):
             tree = build_lattice_trees(cand, trans_logq, budget, roots, self.tev.max_depth, depth_cap=caps)
             drafted = SimpleNamespace(candidate_ids=cand, transition_logq=trans_logq)
         else:
-            logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum)
-            tree = build_trees(logq, ids, budget, roots, self.tev.max_depth, depth_cap=caps)
+            # the depths a tree of this budget reaches (and under auto a block cut to them)
+            block, depth = self._draft_extent(budget, cut=round_plan is not None)
+            logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum, block, depth)
+            tree = build_trees(logq, ids, budget, roots, depth, depth_cap=caps)
             drafted = (logq, ids)
         sampling_info = batch.sampling_info
         sampling = sampling_params_from_info(sampling_info, batch.reqs)  # this round's target law (scalars when shared)

@@ -31,7 +31,7 @@ import pytest
 import torch
 from tiny_pair import plain_greedy
 
-from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker  # noqa: E402
+from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker, patch_forward_plumbing  # noqa: E402
 from sglang_tev.testing.sglang_cpu.required import require_sglang  # noqa: E402
 
 require_sglang()
@@ -223,6 +223,56 @@ def test_draft_head_writes_static_buffers_through_sglangs_tail_hook():
         full = torch.log_softmax(hidden.view(padded, K, V)[:live, 1:], -1)
         assert torch.allclose(logq, full.gather(-1, ids), atol=1e-5)
         assert (head.logq.data_ptr(), head.ids.data_ptr()) == ptrs  # addresses a graph bakes in
+
+
+def test_draft_head_reads_only_the_depths_asked_and_refuses_others():
+    """``depth`` D: the first D depths of the whole block's head, exactly (no row past D goes
+    through the LM head); a depth outside [1, K - 1] is one error naming it."""
+    from sglang_tev.srt.graphs import draft_topk_from_hidden
+
+    K, k, V = 6, 3, 20
+    hidden = torch.randn(2 * K, V, generator=torch.Generator().manual_seed(3))
+    rows = []
+
+    def counting_topk(h, lm_head, kk, with_partition):
+        rows.append(h.shape[0])
+        return _logits_topk(h, lm_head, kk, with_partition)
+
+    full = draft_topk_from_hidden(hidden, K, None, k, counting_topk)
+    for d in (1, 3, K - 1):
+        logq, ids = draft_topk_from_hidden(hidden, K, None, k, counting_topk, depth=d)
+        assert logq.shape == ids.shape == (2, d, k)
+        assert torch.equal(logq, full[0][:, :d]) and torch.equal(ids, full[1][:, :d])
+    assert rows == [2 * (K - 1), 2, 2 * 3, 2 * (K - 1)]
+    for bad in (0, K, -1):
+        with pytest.raises(ValueError, match="depth"):
+            draft_topk_from_hidden(hidden, K, None, k, _logits_topk, depth=bad)
+
+
+def test_draft_block_is_cut_only_where_it_may_be():
+    """Under auto a round's draft block is cut to the depths its trees reach + 1; a fixed tree,
+    lattice mode, a drafter with a block convolution and a draft runner with CUDA graphs keep K."""
+    from sglang_tev.srt.draft_block import DraftBlockMixin, block_cut_refusal
+
+    class Conv(torch.nn.Module):
+        taps = 2
+
+    def worker(mode="marginal", conv=False, graphs=False):
+        w = DraftBlockMixin()
+        w.tev, w.block_size, w._block_cut = SimpleNamespace(max_depth=7), 8, None
+        w._tev_draft = SimpleNamespace(mode=mode)
+        w.draft_model = torch.nn.Sequential(Conv() if conv else torch.nn.Identity())
+        w.draft_model_runner = SimpleNamespace(decode_cuda_graph_runner=object() if graphs else None)
+        return w
+
+    w = worker()
+    assert block_cut_refusal(w) is None
+    assert [w._draft_extent(b, cut=True) for b in (1, 2, 6, 7, 16)] == [(2, 1), (3, 2), (7, 6), (8, 7), (8, 7)]
+    assert [w._draft_extent(b, cut=False) for b in (2, 16)] == [(8, 2), (8, 7)]  # fixed: the whole block
+    for kw, why in (({"mode": "lattice"}, "lattice"), ({"conv": True}, "convolution"), ({"graphs": True}, "graphs")):
+        w = worker(**kw)
+        assert why in block_cut_refusal(w)
+        assert w._draft_extent(2, cut=True) == (8, 2)
 
 
 def test_draft_head_compiles_without_a_graph_break(monkeypatch):
@@ -474,10 +524,7 @@ def _run_worker(monkeypatch, graphs: bool, tiers: bool = False):
         return SimpleNamespace(logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden), can_run_cuda_graph=fb.graph)
 
     monkeypatch.setattr(W, "assign_extend_cache_locs_func", assign_locs)
-    monkeypatch.setattr(W, "candidate_topk", eager_topk)
-    monkeypatch.setattr(W, "ForwardBatch", lambda **kw: SimpleNamespace(**kw))
-    monkeypatch.setattr(W, "enable_num_token_non_padded", lambda: False)
-    monkeypatch.setattr(W, "_resolve_dflash_embedding_module", lambda draft, tgt: torch.nn.Embedding(V, 4))
+    patch_forward_plumbing(monkeypatch, V, candidate_topk=eager_topk)
     monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
 
     translator = FakeTranslator()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker  # noqa: E402
+from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker, patch_forward_plumbing  # noqa: E402
 from sglang_tev.testing.sglang_cpu.required import require_sglang  # noqa: E402
 
 require_sglang()
@@ -71,9 +71,7 @@ def _worker(monkeypatch, pending: bool):
         return torch.cat([req_to_token[req_pool_indices[b], int(start_offset[b]) : int(end_offset[b])] for b in range(batch_size)])
 
     monkeypatch.setattr(W, "assign_extend_cache_locs_func", assign_locs)
-    monkeypatch.setattr(W, "ForwardBatch", lambda **kw: SimpleNamespace(**kw))
-    monkeypatch.setattr(W, "enable_num_token_non_padded", lambda: False)
-    monkeypatch.setattr(W, "_resolve_dflash_embedding_module", lambda draft, tgt: torch.nn.Embedding(V, 4))
+    patch_forward_plumbing(monkeypatch, V)
     translator = FakeTranslator()
     model_runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), kv_index_translator=translator,

@@ -25,7 +25,7 @@ import pytest
 import torch
 from tiny_pair import plain_greedy
 
-from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker  # noqa: E402
+from sglang_worker_fakes import FakeKV, FakeTranslator, build_tev_worker, patch_forward_plumbing  # noqa: E402
 from sglang_tev.srt.meta_info import RoundLog  # noqa: E402
 from sglang_tev.testing.sglang_cpu.required import require_sglang  # noqa: E402
 
@@ -54,6 +54,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
 
     import sglang_tev.srt.worker as W
     from sglang_tev.costs import CostTable
+    from sglang_tev.plan import RoundPlan
     from sglang_tev.srt.budget import ServedBudget
     from sglang_tev.srt.cpu_attention import TorchCPUAttnBackend
     from sglang_tev.srt.kv_headroom import required_row_extra
@@ -81,7 +82,9 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         return torch.cat(rows)
 
     def oracle_topk(hidden, lm_head, kk, with_partition):
-        # the fake draft "hidden" rows are already logits over the vocabulary
+        # the fake draft "hidden" rows are already logits over the vocabulary; the head reads
+        # only the depths the round's trees reach
+        seen.setdefault("head_rows", []).append(hidden.shape[0] // bs)
         lse = torch.logsumexp(hidden, -1)
         vals, ids = hidden.topk(kk, -1)
         return ids, vals, lse
@@ -89,21 +92,25 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
     def draft_forward(fb):
         # block [root, MASK x (K-1)] at positions prefix..prefix+K-1: slot j predicts the token
         # after position prefix + j, the true continuation with a margin (drafter accuracy ~85%)
-        assert fb.input_ids.numel() == bs * K and fb.bound
+        # the block: K tokens, or under auto the depths a tree of the round's budget reaches + 1
+        Kb = fb.spec_info.draft_token_num
+        assert fb.input_ids.numel() == bs * Kb == fb.out_cache_loc.numel() and fb.bound
+        assert Kb == K if budget_mode == "fixed" else 2 <= Kb <= K
+        seen.setdefault("blocks", []).append(Kb)
         # the drafter's KV holds every committed token's, plain steps' held writes included
         for b in range(bs):
-            s = int(fb.positions[b * K])  # the root's position: the committed length
+            s = int(fb.positions[b * Kb])  # the root's position: the committed length
             slots = req_to_token[pool_idx[b], len(prompts[b]) : s]
             assert draft_kv[slots].tolist() == refs[b][len(prompts[b]) : s], (b, s)
         seen["drafts"] = seen.get("drafts", 0) + 1
         now[0] += 0.5e-3  # the planner's clock (below): a draft costs 0.5 ms
-        logits = torch.randn(bs * K, V, generator=g)
+        logits = torch.randn(bs * Kb, V, generator=g)
         for b in range(bs):
-            base = int(fb.positions[b * K]) + 1  # index in the full token sequence of depth 1
-            for j in range(1, K):
+            base = int(fb.positions[b * Kb]) + 1  # index in the full token sequence of depth 1
+            for j in range(1, Kb):
                 t = base + j - 1
                 if t < len(refs[b]) and float(torch.rand((), generator=g)) < 0.85:
-                    logits[b * K + j, refs[b][t]] += 8.0
+                    logits[b * Kb + j, refs[b][t]] += 8.0
         return SimpleNamespace(logits_output=SimpleNamespace(hidden_states=logits))
 
     def prepare_for_verify(self, batch, target_worker, **kw):
@@ -178,10 +185,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         )
 
     monkeypatch.setattr(W, "assign_extend_cache_locs_func", assign_locs)
-    monkeypatch.setattr(W, "candidate_topk", oracle_topk)
-    monkeypatch.setattr(W, "ForwardBatch", lambda **kw: SimpleNamespace(**kw))
-    monkeypatch.setattr(W, "enable_num_token_non_padded", lambda: False)  # reads the published parallel config
-    monkeypatch.setattr(W, "_resolve_dflash_embedding_module", lambda draft, tgt: torch.nn.Embedding(V, 4))
+    patch_forward_plumbing(monkeypatch, V, candidate_topk=oracle_topk)
     monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
 
     appended = []
@@ -221,7 +225,16 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         # the planner times rounds on a clock the fakes advance by their tokens (no wall time, no
         # machine load): its choices, ragged cuts included, are the same on any machine
         assert w._served_budget.rounds == 0
-        w._served_budget = ServedBudget(N - 1, K, costs=CostTable(load_correction=False), clock=lambda: now[0])
+        w._served_budget = served = ServedBudget(N - 1, K, costs=CostTable(load_correction=False), clock=lambda: now[0])
+        planned = served.plan
+
+        def plan(bs_, all_greedy=True):  # every third round a 2-node tree: a draft block cut to 3 tokens
+            p = planned(bs_, all_greedy)
+            if served.rounds % 3 == 2:
+                p = RoundPlan((2,) * bs_, p.capacity, draft_depth=2)
+            return p
+
+        served.plan = plan
     lines = []
     w._round_log = RoundLog(2, SimpleNamespace(info=lines.append))
 
@@ -241,7 +254,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         reqs=[SimpleNamespace(sampling_params=SimpleNamespace(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0))] * bs,  # greedy, as SGLang stores it
     )  # fmt: skip
     seen = {}
-    accepts = []
+    accepts, wide = [], []  # exit depths: every round's, the rounds' of more than 3 nodes
     widths = []
     held_before = 0
     while min(len(o) for o in out) < new_tokens:
@@ -280,6 +293,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         assert list(info["tev_accept_length"]) == res.accept_lens.tolist()
         assert [a + 1 for a in info["tev_exit_depth"]] == res.accept_lens.tolist()
         accepts += info["tev_exit_depth"]
+        wide += info["tev_exit_depth"] if wr > 3 else []
         budgets = list(info["tev_budget"])
         if budget_mode == "auto-ragged":  # each request's own tree, the widest sets the round's width
             ip = seen["indptr"]
@@ -300,6 +314,9 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
         assert kv[req_to_token[pool_idx[b], :s]].tolist() == (p + out[b])[:s]
     assert fake_kv.moves == sum(wr > 1 for wr in widths)  # a root-only round (a plain step) moves nothing
     assert seen["drafts"] == sum(wr > 1 for wr in widths)  # each checked the drafter KV first
+    # the head read each block's depths; auto cut the block to what its smaller trees reach
+    assert seen["head_rows"] == [kb - 1 for kb in seen["blocks"]]
+    assert set(seen["blocks"]) == {K} if budget_mode == "fixed" else min(seen["blocks"]) < K, seen["blocks"]
     w._flush_draft_kv()  # what a prefill would do first: the drafter KV then holds every committed token
     for b, p in enumerate(prompts):
         s = int(batch.seq_lens[b])
@@ -325,7 +342,7 @@ def test_worker_round_commits_greedy_identical_output(monkeypatch, tmp_path, ver
             assert store.files["greedy"].load()["cost_table"].seconds[bs]
         else:
             assert w._plan_store is None
-    assert sum(accepts) / len(accepts) >= 1.5
+    assert sum(wide) / len(wide) >= 1.5
 
 
 def test_row_temperatures_are_read_on_the_host():
