@@ -301,26 +301,19 @@ class TreePlanner(AutoBudget):
         return RoundPlan(budgets, self.capacity, draft_depth=depth, reach_at=tuple(self.controller.grid_upto(min(budgets))))
 
     def refine_tree(self, plan: RoundPlan, tree, drafted, regimes: Sequence[str]):
-        """:meth:`refine` from the tree itself: its nodes' draft path scores
-        (:func:`~sglang_tev.planner.node_path_scores` of ``drafted``, padded nodes left out; on CUDA
-        a small host read), and the tree cut to the refined plan (a best-first tree's first w + 1
-        nodes are its budget-w tree). Returns (plan, tree)."""
-        import torch
+        """:meth:`refine` from the tree itself: its nodes' draft path and edge scores as the
+        builder ranked them (:meth:`~sglang_tev.tree.DraftTree.node_scores`; from ``drafted`` by
+        :func:`~sglang_tev.planner.node_edge_scores` when the builder attached none, in one host
+        read), padded nodes left out, and the tree cut to the refined plan (a best-first tree's
+        first w + 1 nodes are its budget-w tree). Returns (plan, tree)."""
+        rows = tree.node_scores()
+        if rows is None:
+            from .planner import node_edge_scores, node_path_scores
+            from .tree import host_node_scores
 
-        from .planner import node_edge_scores, node_path_scores
-
-        edge = node_edge_scores(tree, drafted)
-        score = node_path_scores(tree, edges=edge)  # padded nodes -inf: left out below by validity
-        # the path scores, edges, depths, parents and validity of every node in one host read
-        host = torch.stack((score, edge, tree.depth.to(torch.float64), tree.parents.to(torch.float64),
-                            tree.valid.to(torch.float64))).tolist()
-        per_row, edges = [], []
-        for srow, erow, drow, prow, vrow in zip(*host):
-            # valid nodes are a prefix (DraftTree): non-root node t is entry t - 1, the root -1
-            nv = int(sum(vrow))
-            per_row.append(srow[1:nv])
-            edges.append((erow[1:nv], [int(d) for d in drow[1:nv]], [int(p) - 1 for p in prow[1:nv]]))
-        out = self.refine(plan, per_row, regimes, edges)
+            edge = node_edge_scores(tree, drafted)
+            rows = host_node_scores(node_path_scores(tree, edges=edge), edge, tree.depth, tree.parents, tree.valid)
+        out = self.refine(plan, [r[0] for r in rows], regimes, [r[1:] for r in rows])
         return out, cut_rows(tree, out.budgets)
 
     def observe(self, plan: RoundPlan, reach_cum, seconds: float, reach_nodes=None) -> None:

@@ -216,6 +216,30 @@ class DraftTree:
         object.__setattr__(self, "_host_reader", reader)
         return self
 
+    def node_scores(self) -> list[tuple[list[float], list[float], list[int], list[int]]] | None:
+        """The draft scores the builder ranked each tree's nodes by, on the host, or None when the
+        builder attached none (:meth:`with_node_scores`): per tree, four lists over its valid
+        non-root nodes in pop order — the path score ``sum log q`` (float, temperature 1), the
+        edge's ``log q(v | parent)``, the depth (>= 1) and the parent's index in these lists
+        (-1: the root). What :func:`sglang_tev.planner.node_path_scores` /
+        :func:`~sglang_tev.planner.node_edge_scores` compute from the draft (equal up to the
+        order of the float64 sums), without reading the draft again."""
+        cached = getattr(self, "_scores", None)
+        if cached is None and getattr(self, "_scores_reader", None) is not None:
+            cached = self._scores_reader()
+            object.__setattr__(self, "_scores", cached)
+        return cached
+
+    def with_node_scores(self, rows=None, *, reader=None) -> "DraftTree":
+        """Attach :meth:`node_scores`: ``rows`` (as it returns them) or ``reader()`` returning
+        them on first use. The caller (a builder) vouches that they are this tree's. Returns
+        ``self``."""
+        if (rows is None) == (reader is None):
+            raise ValueError("with_node_scores: give exactly one of rows and reader")
+        object.__setattr__(self, "_scores", rows)  # a cache, not a field (as with_host_lists)
+        object.__setattr__(self, "_scores_reader", reader)
+        return self
+
     def path(self, node: torch.Tensor) -> torch.Tensor:
         """Root-to-node paths.
 
@@ -242,6 +266,20 @@ class DraftTree:
             self.ancestor_mask.to(device),
             self.max_depth,
         )
+
+
+def host_node_scores(path: torch.Tensor, edge: torch.Tensor, depth: torch.Tensor, parents: torch.Tensor,
+                     valid: torch.Tensor) -> list[tuple[list[float], list[float], list[int], list[int]]]:
+    """:meth:`DraftTree.node_scores`' rows from tensors [b, N] (root first, valid nodes a prefix):
+    path and edge scores (float), depths, parents (node indices, root -1) and validity, in one
+    host read."""
+    host = torch.stack((path.to(torch.float64), edge.to(torch.float64), depth.to(torch.float64),
+                        parents.to(torch.float64), valid.to(torch.float64))).tolist()
+    rows = []
+    for srow, erow, drow, prow, vrow in zip(*host):
+        nv = int(sum(vrow))  # non-root node t is entry t - 1 of the lists, the root -1
+        rows.append((srow[1:nv], erow[1:nv], [int(d) for d in drow[1:nv]], [int(p) - 1 for p in prow[1:nv]]))
+    return rows
 
 
 def _validate_structure(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:

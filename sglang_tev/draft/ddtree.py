@@ -33,7 +33,7 @@ import heapq
 import torch
 
 from .. import execution
-from ..tree import DraftTree
+from ..tree import DraftTree, host_node_scores
 from ..native import HMAX, native_builder
 
 __all__ = ["build_ddtree", "build_ddtree_topk", "build_ddtree_reference", "draft_topk"]
@@ -185,8 +185,8 @@ def _build_heap(lq_rows, id_rows, budget, root_tokens, depth_limit, leaf_tokens)
     rows = []
     for r in range(b):
         lim, leaf, lqr, idr = limits[r], leaves[r], lq_rows[r], id_rows[r]
-        par_l, tok_l, dep_l = [], [], []
-        rows.append((par_l, tok_l, dep_l))
+        par_l, tok_l, dep_l, path_l, edge_l = [], [], [], [], []
+        rows.append((par_l, tok_l, dep_l, path_l, edge_l))
         if lim < 1 or not lqr[0]:
             continue
         # item: (-score, ranks, parent node, depth, rank, score, parent score)
@@ -196,10 +196,12 @@ def _build_heap(lq_rows, id_rows, budget, root_tokens, depth_limit, leaf_tokens)
             _, ranks, par, d, rk, s, ps = heappop(heap)
             cnt += 1
             tok = idr[d - 1][rk]
+            row = lqr[d - 1]
             par_l.append(par)
             tok_l.append(tok)
             dep_l.append(d)
-            row = lqr[d - 1]
+            path_l.append(s)
+            edge_l.append(row[rk])
             if rk + 1 < len(row):
                 sib = ps + row[rk + 1]
                 heappush(heap, (-sib, ranks[:-1] + (rk + 1,), par, d, rk + 1, sib, ps))
@@ -211,9 +213,11 @@ def _build_heap(lq_rows, id_rows, budget, root_tokens, depth_limit, leaf_tokens)
 
 def _host_tree(rows, budget: int, root_tokens: torch.Tensor) -> DraftTree:
     """The :class:`DraftTree` of host-built trees (shared by the host heaps, here and in
-    :mod:`sglang_tev.draft.lattice`). ``rows[r] = (parents, tokens, depths)``: Python lists of tree
-    r's non-root nodes in pop order (parents as node indices, root = 0, parents precede children),
-    at most ``budget`` each; the rest is padding. The ancestor rows are filled on the host."""
+    :mod:`sglang_tev.draft.lattice`). ``rows[r] = (parents, tokens, depths, path scores,
+    edge log q)``: Python lists of tree r's non-root nodes in pop order (parents as node indices,
+    root = 0, parents precede children), at most ``budget`` each; the rest is padding. The
+    ancestor rows are filled on the host; the scores are attached
+    (:meth:`~sglang_tev.tree.DraftTree.with_node_scores`)."""
     import numpy as np
 
     b = len(rows)
@@ -231,7 +235,7 @@ def _host_tree(rows, budget: int, root_tokens: torch.Tensor) -> DraftTree:
     max_depth = 0
     roots = tokens[:, 0].tolist()
     host = ([[-1] for _ in range(b)], [[t] for t in roots])
-    for r, (par_l, tok_l, dep_l) in enumerate(rows):
+    for r, (par_l, tok_l, dep_l, _, _) in enumerate(rows):
         cnt = len(par_l)
         if not cnt:
             continue
@@ -247,7 +251,9 @@ def _host_tree(rows, budget: int, root_tokens: torch.Tensor) -> DraftTree:
             anc_r[i, :i] = anc_r[p, :i]
     t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
     # DraftTree.host(): the lists, without reading the tensors back
-    return DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth).with_host_lists(host)
+    tree = DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth).with_host_lists(host)
+    return tree.with_node_scores([(path_l, edge_l, dep_l, [p - 1 for p in par_l])
+                                  for par_l, _, dep_l, path_l, edge_l in rows])
 
 
 SURVIVOR_GROUP = 64
@@ -365,7 +371,19 @@ def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit,
         (par, tok), m = ints[:2].tolist(), counts.tolist()
         return [p[: c] for p, c in zip(par, m)], [t[: c] for t, c in zip(tok, m)]
 
-    return tree.with_host_lists(reader=host_lists)
+    def node_scores():  # the edges read at the nodes' (depth, token) of log q; paths summed as the heap does
+        idx = (depth - 1).clamp(min=0) * V + tokens.clamp(min=0)
+        edges, (par, dep), m = x.view(b, H * V).gather(1, idx).tolist(), ints[::2].tolist(), counts.tolist()
+        rows = []
+        for e, p, d, c in zip(edges, par, dep, m):
+            e, p = e[1:c], [q - 1 for q in p[1:c]]
+            path = []
+            for j in range(len(e)):
+                path.append((0.0 if p[j] < 0 else path[p[j]]) + e[j])
+            rows.append((path, e, d[1:c], p))
+        return rows
+
+    return tree.with_host_lists(reader=host_lists).with_node_scores(reader=node_scores)
 
 
 def _build_levels(lq, ids, budget, root_tokens, depth_limit, leaf_tokens) -> DraftTree:
@@ -459,7 +477,14 @@ def _levels_tree(score, valid, depth, parent, tok, root_tokens, H: int) -> Draft
         cur = torch.gather(par, 1, cur)
         anc.scatter_(2, cur.unsqueeze(-1), True)
     max_depth = int(depth_all.masked_fill(~valid_all, 0).max()) if _exact_max_depth(dev) else min(H, B)
-    return DraftTree(parents, tokens, valid_all, depth_all, anc, max_depth)
+    tree = DraftTree(parents, tokens, valid_all, depth_all, anc, max_depth)
+
+    def node_scores():  # read only if asked (one host read): the edge is the path's last step
+        path = torch.cat([torch.zeros_like(score[:, :1]), torch.where(valid_o, score.gather(1, order), 0.0)], 1)
+        edge = path - path.gather(1, par)
+        return host_node_scores(path, edge, depth_all, parents, valid_all)
+
+    return tree.with_node_scores(reader=node_scores)
 
 
 def _exact_max_depth(device: torch.device) -> bool:

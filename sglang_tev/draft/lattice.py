@@ -204,8 +204,8 @@ def _lattice_heap(candidate_ids, trans_logq, budget, root_tokens, depth_limit, l
     rows = []
     for r in range(b):
         lim, leaf = limits[r], leaves[r]
-        par_l, tok_l, dep_l = [], [], []
-        rows.append((par_l, tok_l, dep_l))
+        par_l, tok_l, dep_l, path_l, edge_l = [], [], [], [], []
+        rows.append((par_l, tok_l, dep_l, path_l, edge_l))
         if lim < 1:
             continue
         # item: (-score, ranks, parent node, depth, flat entry, score, parent score); slot 0: row 0
@@ -222,6 +222,8 @@ def _lattice_heap(candidate_ids, trans_logq, budget, root_tokens, depth_limit, l
             par_l.append(par)
             tok_l.append(tok)
             dep_l.append(d)
+            path_l.append(s)
+            edge_l.append(lqs[i])
             if (i + 1) % K:  # a next sibling in the same row
                 sib = ps + lqs[i + 1]
                 heappush(heap, (-sib, ranks[:-1] + (ranks[-1] + 1,), par, d, i + 1, sib, ps))

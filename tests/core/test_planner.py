@@ -351,16 +351,83 @@ def test_node_path_scores_follow_the_lattice_transition_rows():
             assert float(got[r, i]) == pytest.approx(score[i], abs=1e-5)
 
 
-def _planner(grid=(0, 2, 4, 8, 16)):
+def _builder_trees(monkeypatch):
+    """(name, tree, drafted) for every builder that attaches its scores: the top-k heap and levels
+    builders, full logits through the native C heap and its Python twin, the lattice heap and
+    levels builders; depth limits and a leaf token included."""
+    import sglang_tev.draft.ddtree as dd
+
+    g = torch.Generator().manual_seed(21)
+    b, H, V, k = 3, 5, 17, 6
+    logits = torch.randn(b, H, V, generator=g) * 2
+    roots, lim = torch.tensor([1, 2, 3]), torch.tensor([5, 2, 4])
+    leaf = torch.tensor([[4, -1]] * b)
+    vals, ids = torch.log_softmax(logits, -1).topk(k, -1)
+    out = [(f"topk-{impl}", dd.build_ddtree_topk(vals, ids, 14, roots, depth_limit=lim, leaf_tokens=leaf, impl=impl), (vals, ids))
+           for impl in ("heap", "levels")]
+    out.append(("logits-native", dd.build_ddtree(logits, 14, roots, depth_limit=lim, leaf_tokens=leaf), logits))
+    with monkeypatch.context() as m:
+        m.setattr(dd, "native_builder", lambda: None)
+        out.append(("logits-python", dd.build_ddtree(logits, 14, roots, depth_limit=lim, leaf_tokens=leaf), logits))
+    cand = torch.stack([torch.randperm(V, generator=g)[:4] for _ in range(b * H)]).view(b, H, 4)
+    trans = torch.log_softmax(torch.randn(b, H, 4, 4, generator=g) * 2, -1)
+    lattice = type("L", (), {"candidate_ids": cand, "transition_logq": trans})()
+    for impl in ("heap", "levels"):
+        out.append((f"lattice-{impl}", build_lattice_tree(cand, trans, 14, roots, depth_limit=lim, impl=impl), lattice))
+    return out
+
+
+def test_builders_attach_the_scores_they_ranked_by(monkeypatch):
+    """Each builder's :meth:`DraftTree.node_scores` are the scores read back from the draft
+    (edges exactly from the host heaps, the paths up to the order of float64 sums), with the
+    tree's depths and parents; the planner's refine then takes them instead of reading the draft
+    again, and chooses the same plan either way."""
+    from sglang_tev.planner import node_edge_scores
+    from sglang_tev.tree import DraftTree
+
+    for name, tree, drafted in _builder_trees(monkeypatch):
+        rows = tree.node_scores()
+        assert rows is not None and len(rows) == tree.batch_size, name
+        edge, path = node_edge_scores(tree, drafted), node_path_scores(tree, drafted)
+        for r, (ps, es, ds, pa) in enumerate(rows):
+            n = int(tree.valid[r].sum()) - 1
+            assert len(ps) == len(es) == len(ds) == len(pa) == n, name
+            assert ds == tree.depth[r, 1: n + 1].tolist() and pa == [p - 1 for p in tree.parents[r, 1: n + 1].tolist()]
+            tol = 0.0 if "levels" not in name else 1e-12
+            assert es == pytest.approx(edge[r, 1: n + 1].tolist(), abs=tol + 1e-6 * ("logits" in name)), name
+            assert ps == pytest.approx(path[r, 1: n + 1].tolist(), abs=1e-6), name
+        # the planner: the same plan from the attached scores as from the draft read again
+        plain = DraftTree(tree.parents, tree.tokens, tree.valid, tree.depth, tree.ancestor_mask, tree.max_depth)
+        assert plain.node_scores() is None
+        got = []
+        for t in (tree, plain):
+            pol = _planner(sizes=(tree.batch_size,))
+            plan = pol.plan(tree.batch_size)
+            assert plan.refinable
+            cut, cut_t = pol.refine_tree(plan, t, drafted, ["greedy"] * tree.batch_size)
+            got.append((cut, cut_t.num_nodes, pol._pending[2], pol._pending[3]))
+        assert got[0][:2] == got[1][:2], name
+        assert all(a == pytest.approx(b, abs=1e-6) for a, b in zip(got[0][2], got[1][2]))  # path scores
+        assert [[list(x) for x in e] for e in got[0][3]] == [[pytest.approx(list(x), abs=1e-6) for x in e] for e in got[1][3]]
+    # refine reads the attached scores, not the draft: scores a builder never made come through
+    odd = [([-50.0] * len(r[0]), *r[1:]) for r in rows]
+    pol = _planner(sizes=(plain.batch_size,))
+    pol.refine_tree(pol.plan(plain.batch_size), plain.with_node_scores(odd), drafted, ["greedy"] * plain.batch_size)
+    assert pol._pending[2] == [r[0] for r in odd]
+    with pytest.raises(ValueError, match="exactly one"):
+        plain.with_node_scores()
+
+
+def _planner(grid=(0, 2, 4, 8, 16), sizes=(1, 4)):
     costs = CostTable(load_correction=False)
-    for bs in (1, 4):
+    for bs in sizes:
         costs.set(bs, 0, 1.0 * bs, count=10)
         for w in grid[1:]:
             costs.set(bs, w, (1.3 + 0.05 * w) * bs, count=10)
     ctl = BudgetController(grid, costs, explore_share=0.0)
     for w in grid[1:]:
         ctl.learn_gains(grid[-1], [[min(0.9 * x, 3.0) for x in ctl.grid_upto(grid[-1])]])
-    for bs in (1, 4):
+    for bs in sizes:
         st = ctl.state(bs)
         st.calibrated = True
     return TreePlanner(ctl, block_size=16)
