@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "DraftTree",
+    "host_node_scores",
     "root_only_tree",
     "ExitLaw",
     "exit_law",
@@ -239,6 +240,10 @@ class DraftTree:
         object.__setattr__(self, "_scores", rows)  # a cache, not a field (as with_host_lists)
         object.__setattr__(self, "_scores_reader", reader)
         return self
+
+    def __getstate__(self):
+        # the host caches may hold a builder's closure (not picklable); a copy reads them again
+        return {k: v for k, v in self.__dict__.items() if k not in ("_host", "_host_reader", "_scores", "_scores_reader")}
 
     def path(self, node: torch.Tensor) -> torch.Tensor:
         """Root-to-node paths.

@@ -371,9 +371,11 @@ def _build_native(fn, logq: torch.Tensor, budget: int, root_tokens, depth_limit,
         (par, tok), m = ints[:2].tolist(), counts.tolist()
         return [p[: c] for p, c in zip(par, m)], [t[: c] for t, c in zip(tok, m)]
 
-    def node_scores():  # the edges read at the nodes' (depth, token) of log q; paths summed as the heap does
-        idx = (depth - 1).clamp(min=0) * V + tokens.clamp(min=0)
-        edges, (par, dep), m = x.view(b, H * V).gather(1, idx).tolist(), ints[::2].tolist(), counts.tolist()
+    # every node's edge log q at its (depth, token), gathered now: the reader keeps [b, N], not log q
+    edge_t = x.view(b, H * V).gather(1, (depth - 1).clamp(min=0) * V + tokens.clamp(min=0))
+
+    def node_scores():  # paths summed as the heap sums them
+        edges, (par, dep), m = edge_t.tolist(), ints[::2].tolist(), counts.tolist()
         rows = []
         for e, p, d, c in zip(edges, par, dep, m):
             e, p = e[1:c], [q - 1 for q in p[1:c]]
@@ -481,8 +483,9 @@ def _levels_tree(score, valid, depth, parent, tok, root_tokens, H: int) -> Draft
 
     def node_scores():  # read only if asked (one host read): the edge is the path's last step
         path = torch.cat([torch.zeros_like(score[:, :1]), torch.where(valid_o, score.gather(1, order), 0.0)], 1)
-        edge = path - path.gather(1, par)
-        return host_node_scores(path, edge, depth_all, parents, valid_all)
+        if not bool(torch.isfinite(path).all()):
+            return None  # below a -inf node the edge is not the path's step: read from the draft
+        return host_node_scores(path, path - path.gather(1, par), depth_all, parents, valid_all)
 
     return tree.with_node_scores(reader=node_scores)
 

@@ -45,7 +45,9 @@ def block_cut_refusal(worker) -> str | None:
     mode, a block convolution in the drafter, or a draft runner with CUDA graphs."""
     if worker._tev_draft.mode != "marginal":
         return "lattice mode reads every slot"
-    if any(type(m).__name__ == "DFlashGroupedConv" or hasattr(m, "taps") for m in worker.draft_model.modules()):
+    # SGLang's DFlashGroupedConv, or any module that reads positions from a block size and taps
+    if any(type(m).__name__ == "DFlashGroupedConv" or (hasattr(m, "taps") and hasattr(m, "block_size"))
+           for m in worker.draft_model.modules()):
         return "the drafter's block convolution is built for the whole block"
     if getattr(worker.draft_model_runner, "decode_cuda_graph_runner", None) is not None:
         return "the draft graphs are captured for the whole block"
@@ -58,7 +60,12 @@ class DraftBlockMixin:
     def _draft_extent(self, budget: int, cut: bool) -> tuple[int, int]:
         """(tokens of this round's draft block K', depths its head reads D') for trees of
         ``budget`` >= 1 nodes: D' = min(D, budget); K' = D' + 1 when ``cut`` (an ``auto`` plan) and
-        :func:`block_cut_refusal` allows it (decided once, at the first draft), else K."""
+        :func:`block_cut_refusal` allows it (decided once, at the first draft), else K.
+
+        Raises:
+            ValueError naming ``budget`` below 1 (a plain step drafts nothing)."""
+        if int(budget) < 1:
+            raise ValueError(f"budget must be >= 1 (a plain step drafts nothing), got {budget!r}")
         depth = min(self.tev.max_depth, int(budget))
         if not cut:
             return self.block_size, depth

@@ -47,6 +47,7 @@ worker after the replays (a captured draw would repeat the same numbers on every
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -214,6 +215,8 @@ def draft_topk_from_hidden(
     Raises:
         ValueError naming ``depth`` outside [1, K - 1].
     """
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, numbers.Integral)):
+        raise ValueError(f"depth must be an int in [1, {block_size - 1}] (the block's mask slots), got {depth!r}")
     D = block_size - 1 if depth is None else int(depth)
     if not 1 <= D <= block_size - 1:
         raise ValueError(f"depth must be in [1, {block_size - 1}] (the block's mask slots), got {depth!r}")

@@ -70,13 +70,14 @@ def build_trees(
     request at ``depth_cap``).
 
     Args:
-        topk_logprobs: float [bs, K - 1, k], log q_d of the listed tokens normalised over the full
+        topk_logprobs: float [bs, H, k], log q_d of the listed tokens normalised over the full
             vocabulary (``vals - lse`` of SGLang's ``candidate_topk(..., with_partition=True)``);
-            row j is depth j + 1 (block slot j + 1).
-        topk_ids: int64 [bs, K - 1, k].
+            row j is depth j + 1 (block slot j + 1); H = K - 1, or the depths the round's head
+            read (``draft_block.py``).
+        topk_ids: int64 [bs, H, k].
         budget: B >= 0 drafted nodes per tree.
         root_tokens: int64 [bs], the bonus tokens of the previous round.
-        max_depth: D, rows beyond it are dropped (1 <= D <= K - 1).
+        max_depth: D, rows beyond it are dropped (1 <= D <= H).
         depth_cap: optional int64 [bs], the deepest node each request's tree may hold, values
             clamped to [0, D] (0: a root-only tree, as plain decoding). A request whose root sits
             at position ``seq_lens[b]`` must get no node past the model's last position:
@@ -84,7 +85,7 @@ def build_trees(
     Returns:
         :class:`DraftTree` with N = B + 1 nodes (``build_ddtree_topk``; padded when fewer fit).
     Raises:
-        ValueError naming ``max_depth`` when outside [1, K - 1], ``depth_cap`` when not int64 [bs]
+        ValueError naming ``max_depth`` when outside [1, H], ``depth_cap`` when not int64 [bs]
         (no host sync otherwise).
     """
     if not 1 <= max_depth <= topk_logprobs.shape[1]:

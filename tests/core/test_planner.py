@@ -409,6 +409,19 @@ def test_builders_attach_the_scores_they_ranked_by(monkeypatch):
         assert got[0][:2] == got[1][:2], name
         assert all(a == pytest.approx(b, abs=1e-6) for a, b in zip(got[0][2], got[1][2]))  # path scores
         assert [[list(x) for x in e] for e in got[0][3]] == [[pytest.approx(list(x), abs=1e-6) for x in e] for e in got[1][3]]
+    # a copy (pickle, torch.save) drops the host caches and reads them again from its tensors
+    import pickle
+
+    for name, tree, drafted in _builder_trees(monkeypatch):
+        back = pickle.loads(pickle.dumps(tree))
+        assert back.node_scores() is None and back.host() == tree.host() and torch.equal(back.parents, tree.parents), name
+    # below a -inf entry the level-wise reader leaves the scores to the draft (no NaN edges)
+    import sglang_tev.draft.ddtree as dd
+
+    vals = torch.tensor([[[-0.1, -2.4, float("-inf"), float("-inf")], [-0.2, -1.7, -3.0, -4.0]]])
+    ids = torch.tensor([[[1, 2, 3, 4], [5, 6, 7, 8]]])
+    heap, levels = (dd.build_ddtree_topk(vals, ids, 14, torch.tensor([0]), impl=i) for i in ("heap", "levels"))
+    assert levels.node_scores() is None and not any(math.isnan(e) for e in heap.node_scores()[0][1])
     # refine reads the attached scores, not the draft: scores a builder never made come through
     odd = [([-50.0] * len(r[0]), *r[1:]) for r in rows]
     pol = _planner(sizes=(plain.batch_size,))

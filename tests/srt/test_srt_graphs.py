@@ -244,7 +244,7 @@ def test_draft_head_reads_only_the_depths_asked_and_refuses_others():
         assert logq.shape == ids.shape == (2, d, k)
         assert torch.equal(logq, full[0][:, :d]) and torch.equal(ids, full[1][:, :d])
     assert rows == [2 * (K - 1), 2, 2 * 3, 2 * (K - 1)]
-    for bad in (0, K, -1):
+    for bad in (0, K, -1, 2.5, True):
         with pytest.raises(ValueError, match="depth"):
             draft_topk_from_hidden(hidden, K, None, k, _logits_topk, depth=bad)
 
@@ -255,7 +255,7 @@ def test_draft_block_is_cut_only_where_it_may_be():
     from sglang_tev.srt.draft_block import DraftBlockMixin, block_cut_refusal
 
     class Conv(torch.nn.Module):
-        taps = 2
+        taps, block_size = 2, 8
 
     def worker(mode="marginal", conv=False, graphs=False):
         w = DraftBlockMixin()
@@ -269,6 +269,8 @@ def test_draft_block_is_cut_only_where_it_may_be():
     assert block_cut_refusal(w) is None
     assert [w._draft_extent(b, cut=True) for b in (1, 2, 6, 7, 16)] == [(2, 1), (3, 2), (7, 6), (8, 7), (8, 7)]
     assert [w._draft_extent(b, cut=False) for b in (2, 16)] == [(8, 2), (8, 7)]  # fixed: the whole block
+    with pytest.raises(ValueError, match="budget"):
+        w._draft_extent(0, cut=True)
     for kw, why in (({"mode": "lattice"}, "lattice"), ({"conv": True}, "convolution"), ({"graphs": True}, "graphs")):
         w = worker(**kw)
         assert why in block_cut_refusal(w)
