@@ -141,11 +141,9 @@ class DraftBlockMixin:
             write_virtual=cache_loc,
             read_extent=K,
         )
-        spec_info = self._draft_block_spec_info
-        if K != self.block_size:  # the attention backend reads the block's length from it
-            spec_info = self._cut_block_spec_infos.get(K)
-            if spec_info is None:
-                spec_info = self._cut_block_spec_infos[K] = make_draft_block_spec_info(draft_token_num=K, device=dev)
+        spec_info = self._block_spec_infos.get(K)  # the attention backend reads the block's length from it
+        if spec_info is None:
+            spec_info = self._block_spec_infos[K] = make_draft_block_spec_info(draft_token_num=K, device=dev)
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,

@@ -160,7 +160,8 @@ class TEVWorker(PlainStepMixin, DraftBlockMixin, DFlashWorkerV2):
         self.draft_model.set_block_size(self.block_size)
         self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
         self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=self.block_size, device=self.device)
-        self._cut_block_spec_infos, self._block_cut = {}, None  # auto's shorter draft blocks (draft_block.py)
+        # the draft block's spec info per block length (auto cuts it: draft_block.py), the whole block's SGLang's own
+        self._block_spec_infos, self._block_cut = {self.block_size: self._draft_block_spec_info}, None
         self.speculative_num_draft_tokens = self.tev.tree_size
         # the drafter's context KV of every layer at once (draft_kv.py; SGLang's per-layer path otherwise)
         kv_writer = install_context_kv_writer(self)
