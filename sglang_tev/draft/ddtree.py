@@ -252,8 +252,9 @@ def _host_tree(rows, budget: int, root_tokens: torch.Tensor) -> DraftTree:
     t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
     # DraftTree.host(): the lists, without reading the tensors back
     tree = DraftTree(t(parents), t(tokens), t(valid), t(depth), t(anc), max_depth).with_host_lists(host)
-    return tree.with_node_scores([(path_l, edge_l, dep_l, [p - 1 for p in par_l])
-                                  for par_l, _, dep_l, path_l, edge_l in rows])
+    # read only by the planner's refine (auto): a fixed budget's round never builds these rows
+    return tree.with_node_scores(reader=lambda: [(path_l, edge_l, dep_l, [p - 1 for p in par_l])
+                                                 for par_l, _, dep_l, path_l, edge_l in rows])
 
 
 SURVIVOR_GROUP = 64
