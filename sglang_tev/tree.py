@@ -194,11 +194,7 @@ class DraftTree:
         read once and cached; host-side builders fill the cache when they create the tree, so
         host-side verifiers and runtimes read it without a transfer. The tensors are the truth:
         do not modify them after calling this."""
-        # the cache lives outside the dataclass fields (a traced tree stays a plain dataclass)
-        cached = getattr(self, "_host", None)
-        if cached is None and getattr(self, "_host_reader", None) is not None:
-            cached = self._host_reader()  # a builder's cheaper reader of the same lists
-            object.__setattr__(self, "_host", cached)
+        cached = self._cached("_host")
         if cached is None:
             n_valid = self.valid.sum(1).tolist()
             par, tok = self.parents.tolist(), self.tokens.tolist()
@@ -211,11 +207,7 @@ class DraftTree:
         (parents, tokens) of each tree's valid nodes (as :meth:`host`), or ``reader()`` returning
         them on first use (a builder that holds them in a cheaper form). The caller vouches that
         they equal the tensors. Returns ``self``."""
-        if (lists is None) == (reader is None):
-            raise ValueError("with_host_lists: give exactly one of lists and reader")
-        object.__setattr__(self, "_host", lists)  # a cache, not a field: frozen stays true of the fields
-        object.__setattr__(self, "_host_reader", reader)
-        return self
+        return self._attach("_host", lists, reader, "with_host_lists: give exactly one of lists and reader")
 
     def node_scores(self) -> list[tuple[list[float], list[float], list[int], list[int]]] | None:
         """The draft scores the builder ranked each tree's nodes by, on the host, or None when the
@@ -225,25 +217,38 @@ class DraftTree:
         (-1: the root). What :func:`sglang_tev.planner.node_path_scores` /
         :func:`~sglang_tev.planner.node_edge_scores` compute from the draft (equal up to the
         order of the float64 sums), without reading the draft again."""
-        cached = getattr(self, "_scores", None)
-        if cached is None and getattr(self, "_scores_reader", None) is not None:
-            cached = self._scores_reader()
-            object.__setattr__(self, "_scores", cached)
-        return cached
+        return self._cached("_scores")
 
     def with_node_scores(self, rows=None, *, reader=None) -> "DraftTree":
         """Attach :meth:`node_scores`: ``rows`` (as it returns them) or ``reader()`` returning
         them on first use. The caller (a builder) vouches that they are this tree's. Returns
         ``self``."""
-        if (rows is None) == (reader is None):
-            raise ValueError("with_node_scores: give exactly one of rows and reader")
-        object.__setattr__(self, "_scores", rows)  # a cache, not a field (as with_host_lists)
-        object.__setattr__(self, "_scores_reader", reader)
+        return self._attach("_scores", rows, reader, "with_node_scores: give exactly one of rows and reader")
+
+    # the host caches live outside the dataclass fields (a traced tree stays a plain dataclass;
+    # frozen stays true of the fields): ``name`` holds the value, ``name + "_reader"`` a builder's
+    # cheaper reader of it, called on first use
+    _CACHES = ("_host", "_scores")
+
+    def _cached(self, name: str):
+        cached = getattr(self, name, None)
+        reader = getattr(self, name + "_reader", None)
+        if cached is None and reader is not None:
+            cached = reader()
+            object.__setattr__(self, name, cached)
+        return cached
+
+    def _attach(self, name: str, value, reader, refusal: str) -> "DraftTree":
+        if (value is None) == (reader is None):
+            raise ValueError(refusal)
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, name + "_reader", reader)
         return self
 
     def __getstate__(self):
-        # the host caches may hold a builder's closure (not picklable); a copy reads them again
-        return {k: v for k, v in self.__dict__.items() if k not in ("_host", "_host_reader", "_scores", "_scores_reader")}
+        # a builder's reader is a closure (not picklable); a copy reads the caches again
+        drop = {n for c in self._CACHES for n in (c, c + "_reader")}
+        return {k: v for k, v in self.__dict__.items() if k not in drop}
 
     def path(self, node: torch.Tensor) -> torch.Tensor:
         """Root-to-node paths.
