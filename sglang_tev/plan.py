@@ -153,7 +153,8 @@ class TreePlanner(AutoBudget):
     larger (the headroom), and after the build :meth:`refine` cuts it to the grid width ``w``
     that maximises ``tokens - rate * seconds`` over the rows' calibrated node values (by edges
     when :meth:`refine_tree` reads them, scaled per segment of pop order by what past rounds held
-    there: :meth:`~sglang_tev.planner.ReachCalibration.corrected`)
+    there: :meth:`~sglang_tev.planner.ReachCalibration.corrected`, learnt only from rounds whose
+    width the values did not choose)
     (:func:`~sglang_tev.planner.allocate`, padded layout: the transformers runtime pads rows to one
     width), ``rate`` the tokens per second of recent rounds of this batch size (an EMA), the
     seconds the controller's cost table at (batch, w). The verified round's exit law labels every
@@ -188,7 +189,7 @@ class TreePlanner(AutoBudget):
             raise SpecError("layout", f"must be 'padded' or 'ragged', got {layout!r}")
         self.layout = layout
         self._rate: dict[int, list[float]] = {}   # batch -> [EMA tokens, EMA seconds]
-        self._pending: tuple | None = None        # (plan, regimes, scores, edges, values) of the round
+        self._pending: tuple | None = None        # (plan, regimes, scores, edges, values, refined) of the round
         self.widths: list[tuple[int, int, int]] = []  # (batch, ceiling, width) of refined rounds, last 10,000
 
     def plan(self, batch: int) -> RoundPlan:
@@ -242,7 +243,7 @@ class TreePlanner(AutoBudget):
                for g, s, d in zip(regimes, scores, dep or [None] * len(scores))] if plan.budget > 0 else None
         if not getattr(plan, "refinable", False):
             # not cut (calibration, probes, trials), but its nodes still label the calibration
-            self._pending = (plan, list(regimes), [list(s) for s in scores], dep, raw) if plan.budget > 0 else None
+            self._pending = (plan, list(regimes), [list(s) for s in scores], dep, raw, False) if plan.budget > 0 else None
             return plan
         batch, ceiling = len(plan.budgets), plan.budget
         sizes = self.controller.grid_upto(ceiling)
@@ -255,7 +256,7 @@ class TreePlanner(AutoBudget):
         out = self._uniform(batch, w) if self.layout == "padded" else self._refine_ragged(batch, w, values, costs)
         self.widths.append((batch, ceiling, out.budget))
         del self.widths[:-10000]
-        self._pending = (out, list(regimes), [list(s) for s in scores], dep, raw)
+        self._pending = (out, list(regimes), [list(s) for s in scores], dep, raw, True)
         return out
 
     def _uniform(self, batch: int, w: int) -> RoundPlan:
@@ -343,12 +344,17 @@ class TreePlanner(AutoBudget):
             ema[1] += a * (seconds - ema[1])
         pending, self._pending = self._pending, None
         if pending is not None and reach_nodes is not None and pending[0] is plan:
-            _, regimes, scores, edges, raw = pending
+            _, regimes, scores, edges, raw, refined = pending
             segs = self.controller.grid_upto(self.capacity)
             for r, (g, s, p, b) in enumerate(zip(regimes, scores, reach_nodes, plan.budgets)):
                 m = min(len(s), max(0, len(p) - 1), b)  # a row's nodes past its own cut were not verified
-                # what this row's values said per segment of pop order against what it held
-                self.calibration.learn_segments(g, raw[r], p[1: m + 1], segs)
+                if not refined:
+                    # what this row's values said per segment of pop order against what it held; only
+                    # from rounds whose width the values did not choose (probes, trials, calibration):
+                    # a refined round verifies a segment because its values there were high, and the
+                    # ratio over such rows reads low (the winner's curse), which cut more rounds, whose
+                    # survivors read lower still (greedy, CPU server, 2026-12-07: 0.3 at pop 3-4)
+                    self.calibration.learn_segments(g, raw[r], p[1: m + 1], segs)
                 self.calibration.update(g, s[:m], p[1: m + 1], None if edges is None else tuple(x[:m] for x in edges[r]))
 
 

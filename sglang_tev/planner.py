@@ -140,6 +140,11 @@ MAX_DEPTH_KEY = 6
 """Depths the edge calibration keeps apart (:func:`edge_key`): 1, 2, ..., 5 and 6 or deeper."""
 
 
+SEGMENT_LABELS = "unrefined"
+"""Which rounds label :meth:`ReachCalibration.learn_segments` (written with the segments; a
+saved calibration of another rule keeps its tables and drops its segments)."""
+
+
 def edge_key(regime: str, depth: int) -> str:
     """The calibration key of the edges into depth ``depth`` (>= 1) under ``regime``:
     ``"greedy@e3"``, the depth capped at :data:`MAX_DEPTH_KEY`."""
@@ -274,7 +279,10 @@ class ReachCalibration:
         nodes 1.9 tokens where the rounds held 2.5, and the cut stopped short of what paid. So
         per segment ``(sizes[k-1], sizes[k]]`` of pop order the sums of the row's values
         (:meth:`values`, before :meth:`corrected`) and of its verified reach are kept as EMAs,
-        and :meth:`corrected` scales the segment's values by their ratio.
+        and :meth:`corrected` scales the segment's values by their ratio. The rows must not have been
+        cut by these values: a row verified through a segment because its values there were high
+        reads a low ratio (the winner's curse); :class:`~sglang_tev.plan.TreePlanner` labels only
+        rounds whose width the values did not choose (probes, trials, calibration rounds).
 
         Args:
             values: the row's node values in pop order (at least its verified nodes).
@@ -327,7 +335,8 @@ class ReachCalibration:
     def to_json(self) -> dict:
         return {"edges": list(SCORE_EDGES), "alpha": self.alpha, "prior_weight": self.prior_weight,
                 "means": self.means, "counts": self.counts,
-                "segments": {g: {str(k): v for k, v in seg.items()} for g, seg in self.segments.items()}}
+                "segments": {g: {str(k): v for k, v in seg.items()} for g, seg in self.segments.items()},
+                "segment_labels": SEGMENT_LABELS}
 
     @classmethod
     def from_json(cls, data: dict) -> "ReachCalibration":
@@ -348,7 +357,9 @@ class ReachCalibration:
                 raise ValueError(f"calibration: regime {regime!r} holds values out of range")
             cal.means[str(regime)] = [float(x) for x in means]
             cal.counts[str(regime)] = [float(c) for c in counts]
-        segments = data.get("segments") or {}
+        # segments a cache learnt under another labelling rule are dropped, not trusted (before
+        # 2026-12-07 refined rounds labelled them too, with the winner's curse's low ratios)
+        segments = (data.get("segments") or {}) if data.get("segment_labels") == SEGMENT_LABELS else {}
         if not isinstance(segments, dict):
             raise ValueError("calibration: segments must be {regime: {size: [realised, predicted, rounds]}}")
         for regime, seg in segments.items():

@@ -205,6 +205,50 @@ def test_planner_cuts_where_the_corrected_values_pay():
     assert plan.refinable and pol.refine(plan, scores, ["greedy"]).budget == 4
 
 
+def test_segments_learn_only_from_rounds_whose_width_the_values_did_not_choose():
+    """(2026-12-07) Rows verified through a segment because their values there were high read a
+    low realised / predicted ratio there even when the values are unbiased (the winner's curse):
+    on the CPU server the factor of pop positions 3-4 fell to 0.3, cutting most rounds to 2-4
+    nodes. So a refined round labels the node tables but not the segments; a probe labels both;
+    segments saved under the old rule are dropped on load."""
+    rng = random.Random(0)
+    sizes = (2, 4)
+    every, chosen = ReachCalibration(), ReachCalibration()
+    for _ in range(400):  # segment (2, 4]: reached 0.5 a node, valued 0.5 +- 0.4 (unbiased noise)
+        noisy = min(1.0, max(0.0, 0.5 + rng.uniform(-0.4, 0.4)))
+        values, reach = [0.9, 0.9, noisy, noisy], [0.9, 0.9] + [float(rng.random() < 0.5) for _ in range(2)]
+        every.learn_segments("greedy", values, reach, sizes)
+        if noisy > 0.6:  # a cut that keeps the segment only where it looks good
+            chosen.learn_segments("greedy", values, reach, sizes)
+    assert 0.85 < every.segment_factor("greedy", 4) < 1.15
+    assert chosen.segment_factor("greedy", 4) < 0.8  # what the old rule learnt
+    # the planner: a refined round teaches the node tables, not the segments
+    ctl = BudgetController((0, 2, 4), _set_costs({0: 1.0, 2: 1.3, 4: 1.6}), explore_share=0.0)
+    pol = TreePlanner(ctl, block_size=8)
+    st = ctl.state(1)
+    st.calibrated, st.current, st.cost_now, st.age = True, 2, 1.3, 0
+    ctl.gain.update({2: 0.3, 4: 0.5})
+    pol._rate[1] = [1.0, 1.0]
+    scores = [[-0.1, -0.2, -0.3, -0.4]]
+    plan = pol.plan(1)
+    assert plan.refinable
+    out = pol.refine(plan, scores, ["greedy"])
+    before = list(pol.calibration.means["greedy"]) if "greedy" in pol.calibration.means else None
+    pol.observe(out, [[0.9, 1.8][: len(out.reach_at)]], 1.3, reach_nodes=[[1.0] + [0.9] * out.budget])
+    assert pol.calibration.segments.get("greedy", {}) == {}
+    assert pol.calibration.means["greedy"] != before  # the nodes were labelled
+    probe = RoundPlan((4,), 4, reach_at=(2, 4))  # not refinable: its width came from the controller
+    pol.refine(probe, scores, ["greedy"])
+    pol.observe(probe, [[1.8, 3.0]], 1.6, reach_nodes=[[1.0, 0.9, 0.9, 0.6, 0.6]])
+    assert set(pol.calibration.segments["greedy"]) == {2, 4}
+    # a cache written under the old rule (no "segment_labels") keeps its tables, drops its segments
+    saved = pol.calibration.to_json()
+    assert ReachCalibration.from_json(saved).segments == pol.calibration.segments
+    old = {k: v for k, v in saved.items() if k != "segment_labels"}
+    back = ReachCalibration.from_json(old)
+    assert back.segments == {} and back.means == pol.calibration.means
+
+
 def _set_costs(costs: dict[int, float]) -> CostTable:
     t = CostTable()
     for b, sec in costs.items():
