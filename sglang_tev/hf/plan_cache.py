@@ -59,16 +59,21 @@ def enabled() -> bool:
 
 
 def model_fingerprint(module) -> str | None:
-    """A hex digest of a model: its config (``to_json_string`` / ``to_dict`` when it has one), the
-    name, shape and dtype of every parameter and buffer, and the float64 sums of the first and
-    last two tensors (a few reads; weights retrained in place change it). None for no module."""
+    """A hex digest of a model: its config (``to_dict`` when it has one, less ``_name_or_path``:
+    the same weights loaded from another folder are the same model), the name, shape and dtype of
+    every parameter and buffer, and the float64 sums of the first and last two tensors (a few
+    reads; weights retrained in place change it). None for no module."""
     if module is None:
         return None
     h = hashlib.sha256()
     cfg = getattr(module, "config", None)
     if cfg is not None:
-        text = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(
-            getattr(cfg, "to_dict", lambda: cfg)())
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
+        if isinstance(d, dict):
+            d = {k: v for k, v in d.items() if k != "_name_or_path"}
+            text = json.dumps(d, sort_keys=True, default=repr)
+        else:
+            text = repr(d)
         h.update(text.encode())
     tensors = list(module.state_dict().items()) if hasattr(module, "state_dict") else []
     for name, t in tensors:

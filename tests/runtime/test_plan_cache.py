@@ -102,6 +102,11 @@ def test_another_model_or_a_bad_file_is_not_trusted(cache_home, _gen):
     with torch.no_grad():
         next(other.parameters()).add_(1.0)
     assert model_fingerprint(other) != model_fingerprint(g1.drafter.model)
+    # the same weights from another folder (a moved checkout, a hub snapshot): the same fingerprint
+    moved = copy.deepcopy(g1.target)
+    moved.config._name_or_path = "/elsewhere/target"
+    assert g1.target.config._name_or_path != "/elsewhere/target"
+    assert model_fingerprint(moved) == model_fingerprint(g1.target)
     # a file whose stored key is another (copied by hand), and one that does not parse
     key = cache_key(g1.target, g1.drafter.model, g1._target.float_dtype, "cpu")
     store = PlanCache(key, cache_home)
