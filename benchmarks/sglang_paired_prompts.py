@@ -10,7 +10,10 @@ length per round, and the rounds' budgets (``meta_info["tev_budget"]``).
 
 Modes: the TEV servers of ``benchmarks/sglang_serving.py``, started as it starts them (``tev17``,
 ``tev33``, ``tev65``: fixed trees; ``auto17``, ``auto65``, ``auto65-ragged``: load-adaptive, reading
-and writing ``$SGLANG_TEV_CACHE/plan``).
+and writing ``$SGLANG_TEV_CACHE/plan``). ``MODE@DIR`` runs the mode from another checkout of this
+repository at ``DIR`` (say ``git worktree add DIR <commit>``), with its own plan cache
+``$SGLANG_TEV_CACHE/peer-<name of DIR>`` (copy a warm one there first to start it warm): two
+versions of the planner side by side, e.g. ``--modes tev17,auto65,auto65@/tmp/base``.
 
     SGLANG_TEV_CACHE=<dir> OMP_NUM_THREADS=1 python benchmarks/sglang_paired_prompts.py \\
         --modes tev17,auto65 --temperature 0 --num-prompts 24 [--output result.json]
@@ -50,9 +53,16 @@ def main(argv=None) -> int:
     p.add_argument("--output", help="write the rows as JSON here")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or len(modes) < 2:
-        p.error(f"--modes: two or more of {', '.join(MODES)}, got {args.modes!r}")
+    bad = [m for m in modes if m.split("@", 1)[0] not in MODES]
+    if bad or len(modes) < 2 or len(set(modes)) < len(modes):
+        p.error(f"--modes: two or more different of {', '.join(MODES)} (each optionally @DIR), got {args.modes!r}")
+    peers = {m: Path(m.split("@", 1)[1]).resolve() for m in modes if "@" in m}
+    for m, d in peers.items():
+        if not (d / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath").is_dir():
+            p.error(f"--modes: {m}: {d} is not a checkout of this repository")
+    from sglang_tev.hf.plan_cache import plan_cache_dir
+
+    cache_root = plan_cache_dir().parent  # $SGLANG_TEV_CACHE or its default
     if args.num_prompts < 2:
         p.error(f"--num-prompts must be at least 2, got {args.num_prompts}")
 
@@ -66,7 +76,8 @@ def main(argv=None) -> int:
     times, accepts, budgets = collections.defaultdict(list), collections.defaultdict(list), collections.defaultdict(collections.Counter)
     try:
         for m in modes:
-            servers[m] = SERVING.start(m)[0]
+            d = peers.get(m)
+            servers[m] = SERVING.start(m.split("@", 1)[0], d, None if d is None else cache_root / f"peer-{d.name}")[0]
         for m in modes:  # one short warm-up request each
             servers[m].post("/generate", {"text": prompts[0], "sampling_params": {"temperature": args.temperature, "max_new_tokens": 16}}, timeout=600)
         for i, text in enumerate(prompts):

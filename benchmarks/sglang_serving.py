@@ -94,10 +94,21 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def start(mode: str):
+def start(mode: str, checkout: Path | None = None, cache: Path | None = None):
+    """One server of ``mode`` (:data:`MODES`); returns (host, seconds to start). ``checkout``: a
+    directory holding another copy of this repository whose ``sglang_tev`` the server imports
+    (its CPU harness first on ``PYTHONPATH``); ``cache``: its ``SGLANG_TEV_CACHE``."""
     from sglang_tev.testing.sglang_cpu import hosts
 
     builder, n, env = MODES[mode]
+    env = dict(env)
+    if checkout is not None:
+        site = checkout / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath"
+        if not site.is_dir():
+            raise ValueError(f"checkout {checkout} holds no sglang_tev/testing/sglang_cpu/pythonpath")
+        env["PYTHONPATH"] = os.pathsep.join([str(site), str(checkout)])
+    if cache is not None:
+        env["SGLANG_TEV_CACHE"] = str(cache)
     if builder == "plain":
         kw = hosts.plain_kwargs()
     elif builder == "dflash":
