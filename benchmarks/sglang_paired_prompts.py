@@ -12,8 +12,10 @@ Modes: the TEV servers of ``benchmarks/sglang_serving.py``, started as it starts
 ``tev33``, ``tev65``: fixed trees; ``auto17``, ``auto65``, ``auto65-ragged``: load-adaptive, reading
 and writing ``$SGLANG_TEV_CACHE/plan``). ``MODE@DIR`` runs the mode from another checkout of this
 repository at ``DIR`` (say ``git worktree add DIR <commit>``), with its own plan cache
-``$SGLANG_TEV_CACHE/peer-<name of DIR>`` (copy a warm one there first to start it warm): two
-versions of the planner side by side, e.g. ``--modes tev17,auto65,auto65@/tmp/base``.
+``$SGLANG_TEV_CACHE/peer-<name of DIR>-<digest of its path>`` (printed at start; copy a warm one
+there first to start it warm): two versions of the planner side by side, e.g. ``--modes
+tev17,auto65,auto65@/tmp/base``. Only the server's ``sglang_tev`` comes from ``DIR``; the model
+pair is this checkout's.
 
     SGLANG_TEV_CACHE=<dir> OMP_NUM_THREADS=1 python benchmarks/sglang_paired_prompts.py \\
         --modes tev17,auto65 --temperature 0 --num-prompts 24 [--output result.json]
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import hashlib
 import importlib.util
 import json
 import statistics
@@ -54,15 +57,26 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m.split("@", 1)[0] not in MODES]
-    if bad or len(modes) < 2 or len(set(modes)) < len(modes):
-        p.error(f"--modes: two or more different of {', '.join(MODES)} (each optionally @DIR), got {args.modes!r}")
-    peers = {m: Path(m.split("@", 1)[1]).resolve() for m in modes if "@" in m}
-    for m, d in peers.items():
-        if not (d / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath").is_dir():
-            p.error(f"--modes: {m}: {d} is not a checkout of this repository")
+    if bad or len(modes) < 2:
+        p.error(f"--modes: two or more of {', '.join(MODES)} (each optionally @DIR), got {args.modes!r}")
+    peers = {}
+    for m in modes:
+        if "@" in m:
+            d = m.split("@", 1)[1].strip()
+            if not d:
+                p.error(f"--modes: {m}: no checkout after '@'")
+            peers[m] = Path(d).resolve()
+            if not (peers[m] / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath").is_dir():
+                p.error(f"--modes: {m}: {peers[m]} is not a checkout of this repository")
+    servers_of = [(m.split("@", 1)[0], peers.get(m)) for m in modes]
+    if len(set(servers_of)) < len(servers_of):
+        p.error(f"--modes: the same mode from the same checkout twice, got {args.modes!r}")
     from sglang_tev.hf.plan_cache import plan_cache_dir
 
     cache_root = plan_cache_dir().parent  # $SGLANG_TEV_CACHE or its default
+    # one plan cache per peer checkout: its folder's name and a digest of its full path
+    peer_cache = {m: cache_root / f"peer-{d.name}-{hashlib.sha256(str(d).encode()).hexdigest()[:8]}"
+                  for m, d in peers.items()}
     if args.num_prompts < 2:
         p.error(f"--num-prompts must be at least 2, got {args.num_prompts}")
 
@@ -77,7 +91,9 @@ def main(argv=None) -> int:
     try:
         for m in modes:
             d = peers.get(m)
-            servers[m] = SERVING.start(m.split("@", 1)[0], d, None if d is None else cache_root / f"peer-{d.name}")[0]
+            if d is not None:
+                print(f"{m}: sglang_tev from {d}, plan cache {peer_cache[m]}", flush=True)
+            servers[m] = SERVING.start(m.split("@", 1)[0], d, peer_cache.get(m))[0]
         for m in modes:  # one short warm-up request each
             servers[m].post("/generate", {"text": prompts[0], "sampling_params": {"temperature": args.temperature, "max_new_tokens": 16}}, timeout=600)
         for i, text in enumerate(prompts):

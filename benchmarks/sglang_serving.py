@@ -106,7 +106,9 @@ def start(mode: str, checkout: Path | None = None, cache: Path | None = None):
         site = checkout / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath"
         if not site.is_dir():
             raise ValueError(f"checkout {checkout} holds no sglang_tev/testing/sglang_cpu/pythonpath")
-        env["PYTHONPATH"] = os.pathsep.join([str(site), str(checkout)])
+        # the checkout (and its harness) ahead of whatever PYTHONPATH already holds
+        env["PYTHONPATH"] = os.pathsep.join([str(site), str(checkout)] + [
+            x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
     if cache is not None:
         env["SGLANG_TEV_CACHE"] = str(cache)
     if builder == "plain":

@@ -68,19 +68,36 @@ def model_fingerprint(module) -> str | None:
     h = hashlib.sha256()
     cfg = getattr(module, "config", None)
     if cfg is not None:
-        d = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else getattr(cfg, "__dict__", cfg)
         if isinstance(d, dict):
             d = {k: v for k, v in d.items() if k != "_name_or_path"}
-            text = json.dumps(d, sort_keys=True, default=repr)
-        else:
-            text = repr(d)
-        h.update(text.encode())
+        h.update(json.dumps(_canonical(d), sort_keys=True).encode())
     tensors = list(module.state_dict().items()) if hasattr(module, "state_dict") else []
     for name, t in tensors:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     for _, t in tensors[:2] + tensors[-2:]:
         h.update(repr(float(t.detach().to(torch.float64).sum())).encode())
     return h.hexdigest()[:32]
+
+
+def _canonical(x):
+    """``x`` as JSON-able data that reads the same in every process: dict keys as strings, sets
+    sorted, an object with ``to_dict`` by it, any other by its type's name (never its address)."""
+    if isinstance(x, dict):
+        return {str(k): _canonical(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_canonical(v) for v in x]
+    if isinstance(x, (set, frozenset)):
+        return sorted((_canonical(v) for v in x), key=lambda v: json.dumps(v, sort_keys=True))
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else repr(x)
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if hasattr(x, "to_dict"):
+        return _canonical(x.to_dict())
+    return f"<{type(x).__module__}.{type(x).__qualname__}>"
 
 
 def _machine() -> dict:

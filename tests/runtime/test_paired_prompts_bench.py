@@ -16,6 +16,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_paired_pro
     (["--modes", "tev17,bogus"], "--modes"),        # an unknown mode
     (["--num-prompts", "1"], "--num-prompts"),
     (["--modes", "tev17,tev17"], "--modes"),        # the same server twice
+    (["--modes", "tev17,auto65@"], "no checkout"),  # '@' and nothing after it
+    (["--modes", f"auto65@{Path(__file__).resolve().parents[2]},auto65@{Path(__file__).resolve().parents[2]}/"],
+     "twice"),                                       # one checkout spelt two ways
     (["--modes", "tev17,auto65@/nonexistent"], "not a checkout"),  # a peer that is no checkout
 ])
 def test_bad_arguments_are_refused_naming_them(args, match):
