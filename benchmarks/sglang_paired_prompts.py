@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--output", help="write the rows as JSON here")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m.split("@", 1)[0] not in MODES]
-    if bad or len(modes) < 2:
+    kind = {m: m.split("@", 1)[0] for m in modes}  # the server mode of each MODE[@DIR]
+    if any(k not in MODES for k in kind.values()) or len(modes) < 2:
         p.error(f"--modes: two or more of {', '.join(MODES)} (each optionally @DIR), got {args.modes!r}")
     peers = {}
     for m in modes:
@@ -66,9 +66,11 @@ def main(argv=None) -> int:
             if not d:
                 p.error(f"--modes: {m}: no checkout after '@'")
             peers[m] = Path(d).resolve()
-            if not (peers[m] / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath").is_dir():
-                p.error(f"--modes: {m}: {peers[m]} is not a checkout of this repository")
-    servers_of = [(m.split("@", 1)[0], peers.get(m)) for m in modes]
+            try:
+                SERVING.checkout_site(peers[m])
+            except ValueError as e:
+                p.error(f"--modes: {m}: {e}")
+    servers_of = [(kind[m], peers.get(m)) for m in modes]
     if len(set(servers_of)) < len(servers_of):
         p.error(f"--modes: the same mode from the same checkout twice, got {args.modes!r}")
     from sglang_tev.hf.plan_cache import plan_cache_dir
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
             d = peers.get(m)
             if d is not None:
                 print(f"{m}: sglang_tev from {d}, plan cache {peer_cache[m]}", flush=True)
-            servers[m] = SERVING.start(m.split("@", 1)[0], d, peer_cache.get(m))[0]
+            servers[m] = SERVING.start(kind[m], d, peer_cache.get(m))[0]
         for m in modes:  # one short warm-up request each
             servers[m].post("/generate", {"text": prompts[0], "sampling_params": {"temperature": args.temperature, "max_new_tokens": 16}}, timeout=600)
         for i, text in enumerate(prompts):

@@ -94,6 +94,15 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def checkout_site(checkout: Path) -> Path:
+    """The CPU harness folder of another checkout of this repository (what its server puts first
+    on ``PYTHONPATH``). Raises ValueError when ``checkout`` holds none."""
+    site = checkout / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath"
+    if not site.is_dir():
+        raise ValueError(f"{checkout} is not a checkout of this repository (no {site.relative_to(checkout)})")
+    return site
+
+
 def start(mode: str, checkout: Path | None = None, cache: Path | None = None):
     """One server of ``mode`` (:data:`MODES`); returns (host, seconds to start). ``checkout``: a
     directory holding another copy of this repository whose ``sglang_tev`` the server imports
@@ -103,9 +112,7 @@ def start(mode: str, checkout: Path | None = None, cache: Path | None = None):
     builder, n, env = MODES[mode]
     env = dict(env)
     if checkout is not None:
-        site = checkout / "sglang_tev" / "testing" / "sglang_cpu" / "pythonpath"
-        if not site.is_dir():
-            raise ValueError(f"checkout {checkout} holds no sglang_tev/testing/sglang_cpu/pythonpath")
+        site = checkout_site(checkout)
         # the checkout (and its harness) ahead of whatever PYTHONPATH already holds
         env["PYTHONPATH"] = os.pathsep.join([str(site), str(checkout)] + [
             x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
