@@ -47,7 +47,7 @@ from .transfer import to_device
 from .target import TargetModel
 
 __all__ = ["NonFiniteLogitsError", "BatchState", "run_round", "draft", "build", "build_chain", "forward_inputs",
-           "tree_forward", "eager_tree_forward", "verify", "commit", "flush_context", "context_features",
+           "tree_forward", "eager_tree_forward", "verify", "commit", "flush_context",
            "gather_nodes", "root_only_tree"]
 
 
@@ -191,12 +191,6 @@ def row_depth_cap(state: BatchState, r: Row) -> int:
 
 
 # ---------------------------------------------------------------------- draft
-def context_features(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:
-    """The drafter's context features: the target's ``hidden_states[i + 1]`` for i in
-    ``layer_ids``, concatenated on the last dim (DESIGN §4)."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
 def flush_context(state: BatchState) -> None:
     """Hand the last commit's path features to the drafter (done in the draft stage, where the
     reference's draft forward does it too, or before rows move)."""
@@ -366,9 +360,7 @@ def tree_forward(state: BatchState, tree: DraftTree, inputs: dict):
 
 def eager_tree_forward(state: BatchState, tokens, positions, masks):
     """The tree forward itself (what a CUDA graph captures): ``(logits float32, features or None)``."""
-    need_feats = state.layer_ids is not None
-    out = state.target.forward(tokens, positions, masks, state.cache, need_feats)
-    feats = context_features(out.hidden_states, state.layer_ids) if need_feats else None
+    out, feats = state.target.forward(tokens, positions, masks, state.cache, state.layer_ids)
     return out.logits.float(), feats
 
 

@@ -23,7 +23,7 @@ from ..plan import BudgetPolicy
 from .control_state import ControlState
 from .masks import KeptTreeMask, prefill_masks
 from .records import Row
-from .round import BatchState, context_features, eager_tree_forward, flush_context, run_round
+from .round import BatchState, eager_tree_forward, flush_context, run_round
 from .static_cache import StaticKVCache
 from .target import TargetModel
 
@@ -169,11 +169,10 @@ class Scheduler:
             pos = torch.arange(t, device=dev).expand(b, t)
             lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
             st.cache.begin(sl, 0, t)
-            need_feats = st.layer_ids is not None
-            out = target.forward(ids, pos, target.attention_mask(prefill_masks(target.layout, lens_t, t)), st.cache,
-                                 need_feats, logits_to_keep=1)
-            if need_feats:
-                self.drafter.add_context(sl, context_features(out.hidden_states, st.layer_ids), pos)
+            _, feats = target.forward(ids, pos, target.attention_mask(prefill_masks(target.layout, lens_t, t)), st.cache,
+                                      st.layer_ids, logits_to_keep=1)
+            if feats is not None:
+                self.drafter.add_context(sl, feats, pos)
         target.sync()
         now = time.perf_counter()
         for r in rows:
