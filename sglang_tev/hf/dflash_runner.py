@@ -14,7 +14,7 @@ DDTree reference does, a round's new context is not projected on its own: :meth:
 defers a short context (at most ``block_size`` positions, a commit's accepted path) and the next
 :meth:`StaticDFlashDrafter.draft_rows` over the same rows projects the context rows and the block
 rows with one ``k_proj`` / ``v_proj`` / ``k_norm`` / RoPE per layer over ``[context ; block]``
-and writes both with one scatter per buffer (context padding that falls on the block's slots is
+and writes both with one indexed write per buffer (context padding that falls on the block's slots is
 sent to the buffers' last slot, which is never read, so no read slot is a target twice).
 RoPE cos/sin come from a table built per generation call, as does the MASK token's embedding.
 
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..draft.dflash import DFlashDraftModel, rms_norm
 from ..draft.dflash2 import SelectorLattice, grouped_causal_conv
+from .static_cache import write_slots
 
 __all__ = ["StaticDFlashDrafter"]
 
@@ -171,7 +172,7 @@ class StaticDFlashDrafter:
         """New generation call: drops a deferred context (the last call's rows are done; a new
         row's prefill writes its whole context), then (re)allocates the buffers
         ``[rows, kv_heads, max_len + K + 1, head_dim]`` per layer; the last slot is never read:
-        context padding that would land on a block slot is sent there by the fused scatter."""
+        context padding that would land on a block slot is sent there by the fused write."""
         self._pending = None
         cfg = self.model.config
         dtype = self.model.fc.weight.dtype
@@ -241,14 +242,13 @@ class StaticDFlashDrafter:
         b, t, _ = ctx.shape
         positions = torch.where(_last_writes(positions), positions, self.keys[0].shape[2] - 1)  # never-read slot
         cos, sin = self._rope(positions)
-        idx = positions[:, None, :, None]
         for layer, kb, vb in zip(m.layers, self.keys, self.values):
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(ctx).view(b, t, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
             k = _rotate(k, cos, sin)
             v = attn.v_proj(ctx).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-            kb[rows].scatter_(2, idx.expand_as(k), k)
-            vb[rows].scatter_(2, idx.expand_as(v), v)
+            write_slots(kb[rows], positions, k)
+            write_slots(vb[rows], positions, v)
 
     # ------------------------------------------------------------------ draft
     @property
@@ -350,7 +350,7 @@ class StaticDFlashDrafter:
             ctx = m.hidden_norm(m.fc(features.to(dtype)))  # [b, T, H]
             t = ctx.shape[1]
             # context slots at or past the root are padding; the block owns them: send them to the
-            # never-read last slot so that one scatter writes context and block without duplicates
+            # never-read last slot so that one indexed write covers context and block without duplicates
             keep = (ctx_pos < rp) & _last_writes(ctx_pos)  # (deferred writes to one slot: the last wins)
             idx = torch.cat([torch.where(keep, ctx_pos, n_slots - 1), pos], dim=1)  # [b, T + K']
         else:
@@ -364,7 +364,6 @@ class StaticDFlashDrafter:
         if b > 1:
             mask = self._arange[:kv_len] < (root_pos.view(b, 1, 1, 1) + k_blk)  # [b, 1, 1, kv_len]
         one_slice = b == 1 and ctx is None  # block only, contiguous: a slice copy
-        sidx = None if one_slice else idx[:, None, :, None]
         h = torch.cat([self.embed(roots.view(b, 1)).to(dtype), self._mask_embed.expand(b, depth, -1)], dim=1)
         last = len(self._layer_weights) - 1
         for li, (lw, kb, vb) in enumerate(zip(self._layer_weights, self.keys, self.values)):
@@ -386,8 +385,8 @@ class StaticDFlashDrafter:
                 kr[:, :, max_root_pos: kv_len] = k
                 vr[:, :, max_root_pos: kv_len] = v
             else:
-                kr.scatter_(2, sidx.expand_as(k), k)
-                vr.scatter_(2, sidx.expand_as(v), v)
+                write_slots(kr, idx, k)
+                write_slots(vr, idx, v)
             out = F.scaled_dot_product_attention(q, kr[:, :, :kv_len], vr[:, :, :kv_len], attn_mask=mask,
                                                  scale=hd ** -0.5, enable_gqa=nh != nkv)
             a = F.linear(out.transpose(1, 2).reshape(b, q_len, -1), lw.o)

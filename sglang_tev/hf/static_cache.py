@@ -23,7 +23,26 @@ import torch
 from ..compat import cache_kwarg_name, cache_kwargs  # noqa: F401 - re-exported: their home was here
 from ..native import native
 
-__all__ = ["StaticKVCache", "cache_kwarg_name", "cache_kwargs"]
+__all__ = ["StaticKVCache", "write_slots", "cache_kwarg_name", "cache_kwargs"]
+
+
+def write_slots(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``dst[r, :, slots[r, j]] = values[r, :, j]`` for every row r and token j, in place.
+
+    Args:
+        dst: [b, heads, slots, head_dim] (a view of a cache buffer; any strides).
+        slots: int64 [b, T], the slot of each row's token j (distinct within a row, or the
+            duplicates' slot never read).
+        values: [b, heads, T, head_dim].
+
+    ``index_put_`` over the (row, slot) pairs: ``Tensor.scatter_`` with the same index expanded
+    to ``values``' shape takes time in the buffer's length on CPU (torch 2.14: ~40 us against
+    ~5 us per call at 8 rows, 277-352 slots, one token; ~1 ms against ~0.1 ms for a commit's
+    gather + scatter over every layer).
+    """
+    b, t = slots.shape
+    rows = torch.arange(b, device=slots.device).view(b, 1).expand(b, t)
+    dst.transpose(1, 2).index_put_((rows, slots), values.transpose(1, 2))
 
 
 class StaticKVCache:
@@ -44,7 +63,7 @@ class StaticKVCache:
         self.rows, self.max_len, self.num_layers = rows, max_len, num_layers
         self.device, self.dtype = torch.device(device), dtype
         # one joint buffer [layers, 2 (k, v), rows, kv_heads, max_len, head_dim] for every layer of
-        # layer 0's shape (one gather + one scatter commit them all); other shapes get their own
+        # layer 0's shape (one indexed read + one write commit them all); other shapes get their own
         self.kv: torch.Tensor | None = None
         self.extra: dict[int, torch.Tensor] = {}
         self._rows = slice(0, rows)
@@ -77,9 +96,8 @@ class StaticKVCache:
             k[:, :, self._slots: self._slots + t] = key_states
             v[:, :, self._slots: self._slots + t] = value_states
         else:
-            idx = self._slots[:, None, :, None]
-            k.scatter_(2, idx.expand_as(key_states), key_states)
-            v.scatter_(2, idx.expand_as(value_states), value_states)
+            write_slots(k, self._slots, key_states)
+            write_slots(v, self._slots, value_states)
         return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -96,15 +114,16 @@ class StaticKVCache:
     # --------------------------------------------------------------- the runtime's side
     def compact(self, rows: slice, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move slots ``src`` [b, W] to ``dst`` [b, W] of ``rows`` in every layer, keys and values
-        at once: one gather and one scatter over the joint buffer (the gather copies first, so
-        overlapping ranges are safe)."""
+        at once: one indexed read and one indexed write over the joint buffer (the read copies
+        first, so overlapping ranges are safe; indexing, not gather / scatter: see
+        :func:`write_slots`)."""
         b, w = src.shape
+        r = torch.arange(b, device=src.device).view(b, 1).expand(b, w)
         for buf, lead in self._buffers():
-            x = buf[(slice(None),) * lead + (rows,)]
-            shape = (*x.shape[:lead], b, x.shape[lead + 1], w, x.shape[-1])
-            view = (1,) * lead + (b, 1, w, 1)
-            moved = x.gather(lead + 2, src.view(view).expand(shape))
-            x.scatter_(lead + 2, dst.view(view).expand(shape), moved)
+            # [..., b, slots, kv_heads, head_dim]: the (row, slot) pairs index two adjacent dims
+            x = buf[(slice(None),) * lead + (rows,)].transpose(lead + 1, lead + 2)
+            pre = (slice(None),) * lead
+            x[pre + (r, dst)] = x[pre + (r, src)]
 
     def compact_row(self, row: int, src: list[int], dst_start: int) -> None:
         """One row's commit: slots ``src`` (increasing, ``src[j] >= dst_start + j``: a path) move to

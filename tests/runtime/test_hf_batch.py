@@ -212,6 +212,48 @@ def test_compact_one_row_fast_path_equals_the_gather(monkeypatch, native, dtype)
     assert torch.equal(caches[0].kv[:, :, [0, 2]], before.kv[:, :, [0, 2]])  # other rows untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_writes_and_batched_compact_equal_an_element_by_element_reference(dtype):
+    """The cache's per-row slot writes (``write_slots``, used by ``update`` and the drafter) and the
+    batched commit (``compact``: rows of different lengths and paths, a shorter path moving its own
+    slots onto themselves) equal a loop over (row, slot), on a sub-range of rows, other rows and
+    slots untouched."""
+    from sglang_tev.hf.static_cache import StaticKVCache, write_slots
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(4, 2, 30, 3, generator=g).to(dtype)
+    ref = buf.clone()
+    slots = torch.tensor([[5, 6, 7], [20, 21, 22]])
+    vals = torch.randn(2, 2, 3, 3, generator=g).to(dtype)
+    write_slots(buf[1:3], slots, vals)
+    for r in range(2):
+        for j in range(3):
+            ref[1 + r, :, slots[r, j]] = vals[r, :, j]
+    assert torch.equal(buf, ref)
+
+    c = StaticKVCache(4, 30, 2, "cpu", dtype)
+    c.begin(slice(0, 4), 0, 30)
+    for layer in range(2):
+        k = torch.randn(4, 2, 30, 3, generator=g)
+        c.update(k.to(dtype), (k - 1).to(dtype), layer)
+    kv0 = c.kv.clone()
+    lens = torch.tensor([[8], [15]])
+    paths = [[0, 2, 5, 6], [0, 1]]  # row 2: a 2-token path padded with its own slots 2, 3
+    src = lens + torch.tensor([p + list(range(len(p), 4)) for p in paths])
+    dst = lens + torch.arange(4)
+    c.compact(slice(1, 3), src, dst)
+    want = kv0.clone()
+    for r in range(2):
+        for j in range(4):
+            want[:, :, 1 + r, :, dst[r, j]] = kv0[:, :, 1 + r, :, src[r, j]]
+    assert torch.equal(c.kv, want)
+    c.begin(slice(1, 3), dst, 30)  # update() through the slots tensor: the same writes
+    k = torch.randn(2, 2, 4, 3, generator=g).to(dtype)
+    got_k, _ = c.update(k, k, 0)
+    assert torch.equal(got_k[0, :, 8:12], k[0]) and torch.equal(got_k[1, :, 15:19], k[1])
+    assert torch.equal(c.kv[0, 0, [0, 3]], want[0, 0, [0, 3]])
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_gather_nodes_equals_index_select(monkeypatch, native):
     """The one-row feature gather of the commit (a C copy on CPU) equals feats.index_select."""
