@@ -73,9 +73,15 @@ class DraftBlockMixin:
             self._block_cut = block_cut_refusal(self) is None
         return (min(self.block_size, depth + 1) if self._block_cut else self.block_size), depth
 
-    def _draft_topk(self, batch, draft_input, seq_lens_cpu, seq_lens_sum, block=None, depth=None):
+    def _draft_topk(self, batch, draft_input, seq_lens_cpu, seq_lens_sum, block=None, depth=None, budget=None):
         """Draft block forward of ``block`` tokens (K' <= K, default K) -> (topk_logprobs float32
         [bs, D', k], topk_ids int64 [bs, D', k]) of depths 1..D' (``depth``, default K' - 1).
+
+        ``k`` is the configured list width (``SGLANG_TEV_TOPK``, default N - 1), or on the eager
+        head at most ``budget``: a best-first tree of B nodes holds no token ranked below B at
+        any depth (its better-ranked siblings would all come first), so the tree is the same,
+        and under ``auto`` a round built at 16 nodes of a 65 capacity does not rank 64 tokens
+        per depth (~2 % of a concurrency-1 step on the CPU server, py-spy).
 
         When the draft runner replayed its CUDA graph (``out.can_run_graph``), the top-k were
         computed inside it by the folded head (``graphs.TevDraftHead``, static buffers, the whole
@@ -87,6 +93,7 @@ class DraftBlockMixin:
         target_model = self.target_worker.model_runner.model
         lm_head = unwrap_lora_layer(target_model.lm_head)
         topk_fn = self._tev_draft.marginal_topk_fn(candidate_topk)
+        k = self.tev.topk if budget is None else max(1, min(self.tev.topk, int(budget)))
 
         def head_fn(draft_out, bs):
             head = getattr(self, "_draft_sampler", None)
@@ -94,7 +101,7 @@ class DraftBlockMixin:
                 logq, ids = head.read(bs)  # computed inside the replayed draft graph
                 return logq[:, :depth], ids[:, :depth]
             hidden = draft_out.logits_output.hidden_states
-            return draft_topk_from_hidden(hidden, block, lm_head, self.tev.topk, topk_fn=topk_fn, depth=depth)
+            return draft_topk_from_hidden(hidden, block, lm_head, k, topk_fn=topk_fn, depth=depth)
 
         return self._draft_block(batch, draft_input, seq_lens_cpu, seq_lens_sum, head_fn, block)
 

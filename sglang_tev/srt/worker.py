@@ -500,7 +500,7 @@ class TEVWorker(PlainStepMixin, DraftBlockMixin, DFlashWorkerV2):
         else:
             # the depths a tree of this budget reaches (and under auto a block cut to them)
             block, depth = self._draft_extent(budget, cut=round_plan is not None)
-            logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum, block, depth)
+            logq, ids = self._draft_topk(batch, draft_input, seq_lens_cpu, seq_lens_sum, block, depth, budget)
             tree = build_trees(logq, ids, budget, roots, depth, depth_cap=caps)
             drafted = (logq, ids)
         sampling_info = batch.sampling_info

@@ -655,3 +655,19 @@ def test_rounds_in_sglang_layout_are_greedy_identical_to_plain_decoding():
     for b in range(len(ctx)):
         assert ctx[b][: len(prompts[b]) + new_tokens] == refs[b][: len(prompts[b]) + new_tokens]
     assert sum(accepts) / len(accepts) >= 2.0
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 8, 16])
+def test_a_budget_b_tree_needs_only_the_top_b_tokens_per_depth(budget):
+    """The worker drafts at most ``budget`` tokens per depth under ``auto`` (``_draft_topk``): a
+    best-first tree of B nodes holds no token ranked below B at any depth, so building it from the
+    top-B lists gives the same tree as from the top-64 (float32 logits, no ties)."""
+    g = torch.Generator().manual_seed(budget)
+    bs, depth, vocab = 3, 6, 200
+    lq = torch.log_softmax(torch.randn(bs, depth, vocab, generator=g) * 1.5, -1)
+    roots = torch.randint(0, vocab, (bs,), generator=g)
+    wide = build_trees(*lq.topk(64, -1), budget, roots, depth)
+    narrow = build_trees(*lq.topk(budget, -1), budget, roots, depth)
+    for name in ("parents", "tokens", "valid", "depth"):
+        assert torch.equal(getattr(wide, name), getattr(narrow, name)), name
+    assert int(wide.valid.sum()) == bs * (budget + 1)  # full trees: the claim is not vacuous
