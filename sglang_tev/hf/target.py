@@ -122,8 +122,9 @@ class LayerTaps:
     def __init__(self, layers, layer_ids: Sequence[int]) -> None:
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self._state = threading.local()
-        for i in sorted(set(self.layer_ids)):
-            layers[i].register_forward_hook(self._hook(i))
+        self.modules = {i: layers[i] for i in sorted(set(self.layer_ids))}  # the layers hooked
+        for i, layer in self.modules.items():
+            layer.register_forward_hook(self._hook(i))
 
     @classmethod
     def attach(cls, module, layer_ids: Sequence[int]) -> "LayerTaps | None":
@@ -149,9 +150,10 @@ class LayerTaps:
             return None
         cache = cls._by_module.setdefault(module, {})
         key = tuple(layer_ids)
-        if key not in cache:
-            cache[key] = cls(layers, key)
-        return cache[key]
+        taps = cache.get(key)
+        if taps is None or any(layers[i] is not m for i, m in taps.modules.items()):
+            taps = cache[key] = cls(layers, key)  # first use, or a layer was replaced since
+        return taps
 
     def _hook(self, i: int):
         state = self._state

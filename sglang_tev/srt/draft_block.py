@@ -78,10 +78,14 @@ class DraftBlockMixin:
         [bs, D', k], topk_ids int64 [bs, D', k]) of depths 1..D' (``depth``, default K' - 1).
 
         ``k`` is the configured list width (``SGLANG_TEV_TOPK``, default N - 1), or on the eager
-        head at most ``budget``: a best-first tree of B nodes holds no token ranked below B at
-        any depth (its better-ranked siblings would all come first), so the tree is the same,
-        and under ``auto`` a round built at 16 nodes of a 65 capacity does not rank 64 tokens
-        per depth (~2 % of a concurrency-1 step on the CPU server, py-spy).
+        head at most ``budget`` rounded up to a power of two (SGLang's top-k kernel takes powers
+        of two; other widths fall back to a full-vocabulary ``torch.topk``): a best-first tree of
+        B nodes holds no token ranked below B at any depth (its better-ranked siblings would all
+        come first), so the tree is the same up to which of two tokens of equal log-probability
+        it keeps (the builder breaks ties by token id, and a shorter list may have cut the
+        lower id; the output law does not depend on the tree), and under ``auto`` a round built
+        at 16 nodes of a 65 capacity does not rank 64 tokens per depth (~2 % of a
+        concurrency-1 step on the CPU server, py-spy).
 
         When the draft runner replayed its CUDA graph (``out.can_run_graph``), the top-k were
         computed inside it by the folded head (``graphs.TevDraftHead``, static buffers, the whole
@@ -93,7 +97,7 @@ class DraftBlockMixin:
         target_model = self.target_worker.model_runner.model
         lm_head = unwrap_lora_layer(target_model.lm_head)
         topk_fn = self._tev_draft.marginal_topk_fn(candidate_topk)
-        k = self.tev.topk if budget is None else max(1, min(self.tev.topk, int(budget)))
+        k = self.tev.topk if budget is None else min(self.tev.topk, 1 << max(0, int(budget) - 1).bit_length())
 
         def head_fn(draft_out, bs):
             head = getattr(self, "_draft_sampler", None)

@@ -83,6 +83,10 @@ def test_one_set_of_hooks_per_module_and_layers():
     assert n == 2
     _forward(TargetModel(module), ids, [0, 1])  # a second generator over the same model
     assert hooks() == n
+    module.model.layers[1] = copy.deepcopy(module.model.layers[1])  # a layer swapped by the user
+    module.model.layers[1]._forward_hooks.clear()
+    _, feats = _forward(TargetModel(module), ids, [0, 1])
+    assert torch.equal(feats, _hf_features(module, ids, [0, 1]))
     twin = copy.deepcopy(module)  # a deep copy reads its own layers
     _, feats = _forward(TargetModel(twin), ids, [0, 1])
     assert torch.equal(feats, _hf_features(module, ids, [0, 1]))
