@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..draft.dflash import DFlashDraftModel, rms_norm
 from ..draft.dflash2 import SelectorLattice, grouped_causal_conv
-from .static_cache import write_slots
+from .static_cache import row_grid, write_slots
 
 __all__ = ["StaticDFlashDrafter"]
 
@@ -242,13 +242,14 @@ class StaticDFlashDrafter:
         b, t, _ = ctx.shape
         positions = torch.where(_last_writes(positions), positions, self.keys[0].shape[2] - 1)  # never-read slot
         cos, sin = self._rope(positions)
+        grid = row_grid(positions)
         for layer, kb, vb in zip(m.layers, self.keys, self.values):
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(ctx).view(b, t, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
             k = _rotate(k, cos, sin)
             v = attn.v_proj(ctx).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-            write_slots(kb[rows], positions, k)
-            write_slots(vb[rows], positions, v)
+            write_slots(kb[rows], positions, k, grid)
+            write_slots(vb[rows], positions, v, grid)
 
     # ------------------------------------------------------------------ draft
     @property
@@ -364,6 +365,7 @@ class StaticDFlashDrafter:
         if b > 1:
             mask = self._arange[:kv_len] < (root_pos.view(b, 1, 1, 1) + k_blk)  # [b, 1, 1, kv_len]
         one_slice = b == 1 and ctx is None  # block only, contiguous: a slice copy
+        grid = None if one_slice else row_grid(idx)
         h = torch.cat([self.embed(roots.view(b, 1)).to(dtype), self._mask_embed.expand(b, depth, -1)], dim=1)
         last = len(self._layer_weights) - 1
         for li, (lw, kb, vb) in enumerate(zip(self._layer_weights, self.keys, self.values)):
@@ -385,8 +387,8 @@ class StaticDFlashDrafter:
                 kr[:, :, max_root_pos: kv_len] = k
                 vr[:, :, max_root_pos: kv_len] = v
             else:
-                write_slots(kr, idx, k)
-                write_slots(vr, idx, v)
+                write_slots(kr, idx, k, grid)
+                write_slots(vr, idx, v, grid)
             out = F.scaled_dot_product_attention(q, kr[:, :, :kv_len], vr[:, :, :kv_len], attn_mask=mask,
                                                  scale=hd ** -0.5, enable_gqa=nh != nkv)
             a = F.linear(out.transpose(1, 2).reshape(b, q_len, -1), lw.o)

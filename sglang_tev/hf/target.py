@@ -83,18 +83,17 @@ class TargetModel:
         that gives HF's tensors exactly, else through ``output_hidden_states=True`` (transformers
         5 then runs a hook on every layer and keeps every layer's output: ~0.1 ms of a 5 ms
         batch-1 round on the shipped pair's CPU target)."""
-        kw = {self.cache_kw: cache}
+        kw = dict(position_ids=positions, attention_mask=masks, use_cache=True, **{self.cache_kw: cache}, **kwargs)
         if layer_ids is None:
-            return self.module(ids, position_ids=positions, attention_mask=masks, **kw, use_cache=True, **kwargs), None
+            return self.module(ids, **kw), None
         taps = self._taps.get(tuple(layer_ids), False)
         if taps is False:
             taps = self._taps[tuple(layer_ids)] = LayerTaps.attach(self.module, layer_ids)
         if taps is None:
-            out = self.module(ids, position_ids=positions, attention_mask=masks, **kw, use_cache=True,
-                              output_hidden_states=True, **kwargs)
+            out = self.module(ids, output_hidden_states=True, **kw)
             return out, torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
         with taps:
-            out = self.module(ids, position_ids=positions, attention_mask=masks, **kw, use_cache=True, **kwargs)
+            out = self.module(ids, **kw)
             return out, taps.features()
 
     def sync(self) -> None:
