@@ -1,6 +1,6 @@
 """The cost side of ``budget="auto"`` (:mod:`sglang_tev.autobudget`): seconds per round by batch size
-and budget, measured on this machine and read through a fit that is monotone in the budget
-(:class:`CostTable`). Kept apart from the controller, which reads it; both runtimes and
+and budget, measured on this machine and read through a fit that is non-decreasing and convex in the
+budget (:class:`CostTable`). Kept apart from the controller, which reads it; both runtimes and
 ``sglang-tev tune`` build, save and load it.
 """
 
@@ -36,14 +36,109 @@ def _monotone(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
     return [(b, sw / ww) for sw, ww, bs in blocks for b in bs]
 
 
+def _solve(g: list[list[float]], r: list[float]) -> list[float] | None:
+    """``z`` with ``g z = r`` for a small square system (Gaussian elimination, partial pivoting);
+    None when ``g`` is singular."""
+    k = len(r)
+    m = [row[:] + [r[i]] for i, row in enumerate(g)]
+    for c in range(k):
+        p = max(range(c, k), key=lambda i: abs(m[i][c]))
+        if abs(m[p][c]) < 1e-300:
+            return None
+        m[c], m[p] = m[p], m[c]
+        mc = m[c]
+        for i in range(c + 1, k):
+            mi = m[i]
+            f = mi[c] / mc[c]
+            if f:
+                for j in range(c, k + 1):
+                    mi[j] -= f * mc[j]
+    z = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        mi = m[i]
+        z[i] = (mi[k] - sum(mi[j] * z[j] for j in range(i + 1, k))) / mi[i]
+    return z
+
+
+def _convex(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
+    """Weighted least-squares fit of ``(budget, seconds, weight)`` sorted by budget, non-decreasing
+    AND convex in the budget: ``f(x) = a + sum_k c_k max(0, x - x_k)`` with ``c_k >= 0``, a knot at
+    every budget but the largest (so data already convex and non-decreasing is fitted exactly),
+    solved by Lawson and Hanson's active-set NNLS with the intercept ``a`` free. A round's cost
+    grows by at least as much per node as the tree grows (a CPU's forward by a fixed share per
+    node, a GPU's flat until the tiles fill, then rising), so one stale or inflated median tilts
+    the fit's slope a little everywhere instead of pooling its neighbours into a step that makes
+    the budgets on either side look best (measured on the CPU server: medians 19 / 23 / 28 / 22 /
+    26 / 30 / 28 / 33 ms for 2-64 nodes, isotonic steps of 1-2 ms per node below 16 and flat above,
+    widths 2 and 48 chosen in turn). Returns ``(budget, fitted seconds)`` per point. ~25-40 us
+    for 8 points (pure Python: the Gram matrix from suffix sums, never the columns)."""
+    n = len(points)
+    if n <= 2:
+        return _monotone(points)  # with two points every monotone fit is convex
+    xs = [float(b) for b, _, _ in points]
+    # suffix sums (i >= j) of w, w x, w x^2, w y, w x y: hinge k is non-zero from point k on
+    s0, s1, s2, t0, t1 = ([0.0] * (n + 1) for _ in range(5))
+    for i in range(n - 1, -1, -1):
+        _, y, w = points[i]
+        x = xs[i]
+        s0[i], s1[i], s2[i] = s0[i + 1] + w, s1[i + 1] + w * x, s2[i + 1] + w * x * x
+        t0[i], t1[i] = t0[i + 1] + w * y, t1[i + 1] + w * x * y
+    knot = [0.0] + xs[:-1]  # column 0 the intercept, column k >= 1 the hinge at xs[k - 1]
+
+    def gram(a: int, b: int) -> float:
+        if not (a and b):
+            k = a or b
+            return s0[0] if not k else s1[k] - knot[k] * s0[k]
+        i = max(a, b)
+        return s2[i] - (knot[a] + knot[b]) * s1[i] + knot[a] * knot[b] * s0[i]
+
+    rhs = [t0[0]] + [t1[k] - knot[k] * t0[k] for k in range(1, n)]
+    coef = [0.0] * n
+    coef[0] = rhs[0] / s0[0]
+    active = [0]  # Lawson-Hanson's passive set; the free intercept always in it
+    tol = 1e-12 * max(abs(v) for v in rhs)
+    for _ in range(3 * n):
+        j, best = None, tol  # the hinge whose weight would lower the squared error most
+        for k in range(1, n):
+            if k not in active:
+                gk = rhs[k] - sum(gram(k, a) * coef[a] for a in active)
+                if gk > best:
+                    j, best = k, gk
+        if j is None:
+            break
+        active.append(j)
+        while True:
+            z = _solve([[gram(a, b) for b in active] for a in active], [rhs[a] for a in active])
+            if z is None:  # the new column adds nothing independent: done
+                active.pop()
+                break
+            neg = [coef[a] / (coef[a] - zi) for zi, a in zip(z, active) if a and zi <= 0]
+            if not neg:
+                for zi, a in zip(z, active):
+                    coef[a] = zi
+                break
+            step = min(neg)  # move toward z until the first weight reaches 0; drop it
+            for zi, a in zip(z, active):
+                coef[a] += step * (zi - coef[a])
+            for a in active:
+                if a and coef[a] <= tol:
+                    coef[a] = 0.0
+            active = [a for a in active if a == 0 or coef[a] > 0.0]
+        if z is None:
+            break
+    return [(b, coef[0] + sum(coef[k] * (xs[i] - knot[k]) for k in active if 0 < k <= i))
+            for i, (b, _, _) in enumerate(points)]
+
+
 @dataclass
 class CostTable:
     """Seconds per round by (batch size, budget), measured on this machine.
 
     Each (batch, budget) keeps its last ``window`` round times (the first one of a pair is dropped
     once a second arrives: the first round of a new shape allocates). The cost of a tree budget
-    is read from a monotone fit across budgets: the weighted medians, made non-decreasing in the
-    budget (:func:`_monotone`), interpolated linearly between measured budgets, extended above
+    is read from a fit across budgets: the weighted least-squares fit of the medians that is
+    non-decreasing and convex in the budget (:func:`_convex`; a larger tree never costs less, and
+    never less per node added), interpolated linearly between measured budgets, extended above
     the largest by the last segment's slope and below the smallest by the fit's mean slope (not
     below the plain round's cost; held flat while that is untimed). So every tree
     round informs every tree budget (a CPU's round times grow by a fraction of a percent per
@@ -53,10 +148,10 @@ class CostTable:
     Provisional costs. A pair's first round in a process allocates its shapes (and builds CPU
     kernels for them), the first rounds of a process run cold, and a cost restored from a plan
     cache was timed in another process, at that minute's speed of the machine. None of these is
-    what the pair costs now, and the isotonic fit pools a too-high small budget with every larger
-    one (measured on the CPU server: a restored table 36 / 21 / 20.5 / 20.3 / 21 ms for 16 / 24 /
-    32 / 48 / 64 nodes read as one flat cost, so the largest tree won where 32 nodes ran 12 %
-    faster). So a pair is *provisional* until it has a *settled* round: one of this process, not
+    what the pair costs now, and any non-decreasing fit pools a too-high small budget with every
+    larger one (measured on the CPU server with the isotonic fit of before 2026-12-08: a restored
+    table 36 / 21 / 20.5 / 20.3 / 21 ms for 16 / 24 / 32 / 48 / 64 nodes read as one flat cost, so
+    the largest tree won where 32 nodes ran 12 % faster). So a pair is *provisional* until it has a *settled* round: one of this process, not
     its first here, recorded after the table's first ``warmup`` rounds; its provisional rounds are
     dropped then. Once a batch size has two settled tree budgets, the fit reads settled ones only
     (the provisional ones are read through it) and the controller's cost probes re-time the
@@ -96,6 +191,7 @@ class CostTable:
     _raw: dict = field(default_factory=dict, repr=False)
     _pairs: list = field(default_factory=list, repr=False)
     _memo: dict = field(default_factory=dict, repr=False)  # cost() answers since the last change
+    _fits: dict = field(default_factory=dict, repr=False)  # batch -> (points, fit) of its last fit
     _load: float | None = field(default=None, repr=False)
 
     def current_load(self) -> float:
@@ -166,7 +262,7 @@ class CostTable:
         """Seconds of a round at (batch, budget), in the table's scale (seconds at load 1: only
         ratios between budgets matter): plain decoding (budget 0) measured, never
         extrapolated (it has no draft), and read no higher than the cheapest tree's fitted cost
-        at the batch size (:meth:`_plain`); a tree budget from the monotone fit over this batch
+        at the batch size (:meth:`_plain`); a tree budget from the convex monotone fit over this batch
         size's measured tree budgets (one measured budget: that one only). A batch size with
         nothing for ``budget`` borrows from the nearest batch size n that has it (a batch that
         shrinks as rows finish needs no new calibration): where the lender has a plain round, its
@@ -190,8 +286,10 @@ class CostTable:
         return self._memo[key]
 
     def _fit(self, batch: int) -> list[tuple[int, float]]:
-        """The monotone fit over this batch size's measured tree budgets (settled ones only once
-        two are), memoized until the table changes."""
+        """The monotone convex fit (:func:`_convex`) over this batch size's measured tree budgets
+        (settled ones only once two are), weighted by their rounds (up to ``window``), memoized
+        until the table changes and recomputed only when its points do (a plain round changes
+        none of them)."""
         fit = self._memo.get(("fit", batch))
         if fit is None:
             row, cnt = self.seconds.get(batch, {}), self.counts.get(batch, {})
@@ -199,7 +297,10 @@ class CostTable:
             settled = [b for b in trees if not self.provisional(batch, b)]
             pts = sorted((b, row[b], min(self.window, max(1, cnt.get(b, 1))))
                          for b in (settled if len(settled) >= 2 else trees))
-            fit = self._memo[("fit", batch)] = _monotone(pts)
+            last = self._fits.get(batch)
+            fit = last[1] if last is not None and last[0] == pts else _convex(pts)
+            self._fits[batch] = (pts, fit)
+            self._memo[("fit", batch)] = fit
         return fit
 
     def _plain(self, batch: int) -> float | None:
