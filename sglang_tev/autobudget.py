@@ -14,8 +14,8 @@ one token per round and no draft at all.
 What a round costs. The wall seconds of whole rounds (draft + build + tree forward + verify +
 commit; on CUDA the round's one host sync makes the clock honest), kept per (batch size, budget)
 as the median of recent rounds, divided by the load of the minute they ran in (a shared machine
-runs the same round up to 2x slower in a busy minute), and read through a fit that is monotone in
-the budget (:class:`CostTable`).
+runs the same round up to 2x slower in a busy minute), and read through a fit that is
+non-decreasing and convex in the budget (:class:`CostTable`).
 
 The choice. Per round and per batch (one tree size for all rows, so the forward keeps one shape):
 ``argmax_B (1 + E[accept | B]) / cost(b, B)`` over the budgets whose gain has been observed, with
