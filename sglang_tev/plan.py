@@ -377,12 +377,24 @@ def cut_tree(tree, n: int):
     if n >= tree.num_nodes:
         return tree
     # a prefix of a best-first tree keeps its nodes' depths and ancestors: slice them (no
-    # pointer jumping again); max_depth is the prefix's own
+    # pointer jumping again); max_depth is the prefix's own, from the node scores already on the
+    # host when the planner read them (a device read otherwise: a host sync on CUDA)
     depth = tree.depth[:, :n]
     valid = tree.valid[:, :n]
-    max_depth = int(torch.where(valid, depth, torch.zeros_like(depth)).max().item()) if n > 1 else 0
-    return DraftTree(tree.parents[:, :n], tree.tokens[:, :n], valid, depth,
-                     tree.ancestor_mask[:, :n, :n].contiguous(), max_depth)
+    scores, host = tree.prefix_caches(n)
+    if n == 1:
+        max_depth = 0
+    elif scores is not None:
+        max_depth = max((max(r[2], default=0) for r in scores), default=0)
+    else:
+        max_depth = int(torch.where(valid, depth, torch.zeros_like(depth)).max().item())
+    out = DraftTree(tree.parents[:, :n], tree.tokens[:, :n], valid, depth,
+                    tree.ancestor_mask[:, :n, :n].contiguous(), max_depth)
+    if scores is not None:
+        out.with_node_scores(scores)
+    if host is not None:
+        out.with_host_lists(host)
+    return out
 
 
 def cut_rows(tree, budgets: Sequence[int]):

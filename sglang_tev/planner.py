@@ -121,18 +121,27 @@ def _check_edges(edges, n: int) -> tuple[list[float], list[int], list[int]]:
 
 
 def _antitone(means: list[float], weights: list[float]) -> list[float]:
-    """Weighted isotonic fit, non-increasing along the list (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [sum w*x, sum w, length]
+    """Weighted isotonic fit, non-increasing along the list (pool adjacent violators). Called
+    several times a round (each calibration table read after a label, each row's node values),
+    so it keeps block means on parallel stacks and returns a copy at once when nothing violates."""
+    if all(a >= b for a, b in zip(means, means[1:])):
+        return list(means)
+    vals: list[float] = []  # per block: its weighted mean, total weight, length
+    tot: list[float] = []
+    lens: list[int] = []
     for x, w in zip(means, weights):
-        blocks.append([x * w, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            sx, sw, n = blocks.pop()
-            blocks[-1][0] += sx
-            blocks[-1][1] += sw
-            blocks[-1][2] += n
+        n = 1
+        while vals and vals[-1] < x:
+            pw = tot.pop()
+            x = (vals.pop() * pw + x * w) / (pw + w)
+            w += pw
+            n += lens.pop()
+        vals.append(x)
+        tot.append(w)
+        lens.append(n)
     out: list[float] = []
-    for sx, sw, n in blocks:
-        out.extend([sx / sw] * int(n))
+    for x, n in zip(vals, lens):
+        out.extend([x] * n)
     return out
 
 
@@ -213,24 +222,33 @@ class ReachCalibration:
         n = min(len(scores), len(reach))
         checked = None if edges is None else _check_edges(edges, n)  # before any table moves
         ok = [math.isfinite(p) for p in reach[:n]]  # a label that is not a number is left out
+        # _fold inlined (the planner labels every node of every round): clamp each label once
+        clamped = [min(1.0, max(0.0, p)) if good else 0.0 for p, good in zip(reach, ok)]
+        cap = 1.0 / self.alpha  # past 1 / alpha labels a label's weight stays alpha
         means, counts = self._regime(regime)
-        for s, p, good in zip(scores, reach, ok):
+        for s, p, good in zip(scores, clamped, ok):
             if good:
-                self._fold(means, counts, s, p)
+                i = _bin(float(s))
+                c = counts[i] = min(counts[i] + 1.0, cap)
+                means[i] += (p - means[i]) / max(1.0, c)
         self._fit.pop(regime, None)
         if checked is None:
             return
         tables: dict[int, tuple[list[float], list[float]]] = {}  # per capped depth: (means, counts), found once
         for j, (e, d, par) in enumerate(zip(*checked)):
-            above = 1.0 if par < 0 else min(1.0, max(0.0, reach[par]))
+            above = 1.0 if par < 0 else clamped[par]
             if ok[j] and (par < 0 or ok[par]) and above > 1e-6:
-                d = min(d, MAX_DEPTH_KEY)
+                if d > MAX_DEPTH_KEY:
+                    d = MAX_DEPTH_KEY
                 t = tables.get(d)
                 if t is None:
                     key = edge_key(regime, d)
                     t = tables[d] = self._regime(key)
                     self._fit.pop(key, None)
-                self._fold(*t, e, min(1.0, max(0.0, reach[j])) / above, above)
+                tm, tc = t
+                i = _bin(e)
+                c = tc[i] = min(tc[i] + above, cap)
+                tm[i] += above * (min(1.0, clamped[j] / above) - tm[i]) / max(1.0, c)
 
     def table(self, regime: str) -> list[float]:
         """The fitted reach per bin of ``regime`` (non-increasing; the prior before any label)."""

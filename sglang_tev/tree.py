@@ -225,6 +225,19 @@ class DraftTree:
         ``self``."""
         return self._attach("_scores", rows, reader, "with_node_scores: give exactly one of rows and reader")
 
+    def prefix_caches(self, n: int):
+        """The host caches already read (:meth:`node_scores`, :meth:`host`; a reader not yet
+        called is not called) cut to the tree's first ``n`` nodes, each None when not read: what
+        a best-first prefix of this tree (``plan.cut_tree``) carries without reading its tensors.
+        Valid nodes come first in pop order and a parent before its children, so a prefix of each
+        list is the prefix tree's."""
+        scores, host = getattr(self, "_scores", None), getattr(self, "_host", None)
+        if scores is not None:
+            scores = [tuple(x[: n - 1] for x in r) for r in scores]
+        if host is not None:
+            host = ([p[:n] for p in host[0]], [t[:n] for t in host[1]])
+        return scores, host
+
     # the host caches live outside the dataclass fields (a traced tree stays a plain dataclass;
     # frozen stays true of the fields): ``name`` holds the value, ``name + "_reader"`` a builder's
     # cheaper reader of it, called on first use

@@ -48,3 +48,31 @@ def test_a_bad_n_is_one_clear_error(bad):
     tree = build_ddtree(torch.randn(1, 7, 20), 8, torch.tensor([1]))
     with pytest.raises(ValueError, match="n must be an integer"):
         cut_tree(tree, bad)
+
+
+def test_a_cut_of_a_tree_whose_host_caches_were_read_reads_no_tensor(monkeypatch):
+    """Once the planner has read a tree's node scores (and the verifier its host lists), a cut
+    takes its max depth from them and carries them cut (no device read: on CUDA a host sync);
+    they equal what the cut tree would read, padded tails included; unread caches stay unread."""
+    from sglang_tev.tree import DraftTree
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 7, 3, generator=g) * 4
+    full = build_ddtree(logits, 40, torch.tensor([0, 1, 2]), depth_limit=torch.tensor([6, 6, 2]))
+    scores, host = full.node_scores(), full.host()
+    for n in range(1, full.num_nodes):
+        ref = DraftTree.from_parents(full.parents[:, :n], full.tokens[:, :n], full.valid[:, :n])
+        ref_host = ref.host()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", lambda self: pytest.fail("cut_tree read a tensor"))
+            m.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("cut_tree read a tensor"))
+            cut = cut_tree(full, n)
+            got_host, got = cut.host(), cut.node_scores()
+        assert cut.max_depth == ref.max_depth and got_host == ref_host
+        assert [tuple(map(list, r)) for r in got] == [tuple(x[: n - 1] for x in r) for r in scores]
+        # the same lists the cut's own tensors give (from_parents' tree has no builder's scores)
+        for r, (par, _) in zip(got, zip(*ref_host)):
+            assert r[3] == [p - 1 for p in par[1:]] and len(r[0]) == len(par) - 1
+    fresh = build_ddtree(logits, 40, torch.tensor([0, 1, 2]))
+    assert cut_tree(fresh, 5).prefix_caches(5) == (None, None)  # nothing read: nothing carried
+    assert host is not None
