@@ -81,7 +81,9 @@ def summarize(lines: list[str]) -> dict:
         work) and ``own_ms`` (the work less them: the worker's own), and ``by_width``: per round
         width (0 = a plain step) the same medians and
         ``start_ms``, the median interval from the step's start to the next one's (what a client
-        sees per step); ``{"steps": 0}`` when no two decode steps followed each other.
+        sees per step), and under auto ``charged_ms`` (the median seconds the planner was charged
+        for those rounds) and ``table_ms`` (its cost table's entry for the width after the last
+        of them, load-free); ``{"steps": 0}`` when no two decode steps followed each other.
     """
     rows = []
     for x in lines:
@@ -89,10 +91,12 @@ def summarize(lines: list[str]) -> dict:
         if len(f) < 6:  # a line cut short (a server killed while writing it)
             continue
         rows.append((float(f[1]), float(f[2]), f[3], int(f[4]), int(f[5]), int(f[6]) if len(f) > 6 else -1,
-                     float(f[7]) if len(f) > 7 else None))
-    # (width, work ms, gap ms, tokens per request, forward ms or None) of every decode step followed by a decode step
+                     float(f[7]) if len(f) > 7 else None,
+                     (float(f[8]), float(f[10])) if len(f) > 10 else None))
+    # (width, work ms, gap ms, tokens per request, forward ms or None, (charged s, table's s) or None)
+    # of every decode step followed by a decode step
     steps = [(cur[5], 1e3 * (cur[1] - cur[0]), 1e3 * (nxt[0] - cur[1]), cur[4] / max(1, cur[3]),
-              None if cur[6] is None else 1e3 * cur[6])
+              None if cur[6] is None else 1e3 * cur[6], cur[7])
              for cur, nxt in zip(rows, rows[1:]) if cur[2] == "d" and nxt[2] == "d"]
     if not steps:
         return {"steps": 0}
@@ -111,6 +115,10 @@ def summarize(lines: list[str]) -> dict:
     for k in sorted({x[0] for x in steps}):
         part = [x for x in steps if x[0] == k]
         row["by_width"][str(k)] = dict(medians(part), start_ms=statistics.median(x[1] + x[2] for x in part))
+        planned = [x[5] for x in part if x[5] is not None]
+        if planned:  # what the planner was charged for these rounds, and what its table held last
+            row["by_width"][str(k)].update(charged_ms=1e3 * statistics.median(c for c, _ in planned),
+                                           table_ms=1e3 * planned[-1][1] if planned[-1][1] > 0 else None)
     return row
 
 
@@ -249,7 +257,9 @@ def main(argv=None) -> int:
         if len(r.get("by_width", {})) > 1:
             for k, d in r["by_width"].items():
                 print(f"{'width ' + k:>14} {d['work_ms']:8.2f} {d['gap_ms']:7.2f} {d['start_ms']:8.2f} {'':>8} "
-                      f"{d['tokens_per_step']:8.2f} {d['steps']:>5} steps")
+                      f"{d['tokens_per_step']:8.2f} {d['steps']:>5} steps"
+                      + (f"   charged {d['charged_ms']:.2f} ms" if d.get("charged_ms") is not None else "")
+                      + (f", table {d['table_ms']:.2f} ms" if d.get("table_ms") is not None else ""))
     if args.output:
         from sglang_tev.machine import machine_info
 

@@ -57,6 +57,20 @@ def test_summary_splits_steps_by_round_width():
     assert "forward_ms" not in by["0"]  # seven-field lines: no forward time
 
 
+def test_summary_sets_what_the_planner_was_charged_beside_its_table():
+    lines = [  # ... forward charged load stored (the auto columns)
+        "tev 0.000 0.020 d 1 3 16 0.015 0.0210 1.0000 0.0300",
+        "tev 0.021 0.041 d 1 3 16 0.015 0.0230 1.1000 0.0250",
+        "tev 0.042 0.052 d 1 1 0 0.008 0.0110 1.1000 -1.000000",  # no table entry yet: none read
+        "tev 0.053 0.073 d 1 3 16 0.015",  # a line without them (a fixed server's)
+        "tev 0.074 0.080 d 1 1 0 0.005 0.0090 1.0 0.0100",
+    ]
+    by = _module().summarize(lines)["by_width"]
+    assert by["16"]["charged_ms"] == pytest.approx(22.0) and by["16"]["table_ms"] == pytest.approx(25.0)
+    assert by["0"]["charged_ms"] == pytest.approx(11.0) and by["0"]["table_ms"] is None
+    assert "charged_ms" not in _module().summarize([x[:32] for x in lines])["by_width"]["16"]
+
+
 def test_summary_splits_the_work_into_forward_and_own():
     lines = [
         "tev 0.000 0.010 d 1 1 0 0.008",   # work 10: forward 8, own 2

@@ -19,7 +19,10 @@
   drafted nodes in a TEV round, 0 for a plain step, -1 where unknown; forward: the seconds spent in
   SGLang's ``ModelRunner.forward`` during the call, target and drafter, so the rest of the call is
   the worker's own work). One line per outermost call: the target calls a TEV round or a TEV
-  prefill makes inside it are part of its line.
+  prefill makes inside it are part of its line. Under ``SGLANG_TEV_BUDGET=auto`` a round's line
+  adds ``charged load stored``: the seconds the planner was charged for it, its cost table's load
+  of the minute, and the table's cost at the width it was timed as after it (load-free seconds),
+  so a benchmark can set what the planner believed beside what the rounds took.
 
 They act only in processes the CPU harness starts (``SGLANG_TEV_CPU_HARNESS=1`` loads them); the
 plain-step plans only on a ``SGLANG_TEV_BUDGET=auto`` server, the ragged cuts only where the layout
@@ -37,6 +40,7 @@ __all__ = ["install_plain_steps", "install_ragged_cuts", "install_step_trace"]
 
 _depth = [0]  # worker calls in progress in this process: only the outermost one is written
 _forward_s = [0.0]  # seconds in ModelRunner.forward since the outermost worker call began
+_charged: list = [None]  # (charged, load, stored) of the last round ServedBudget.observe closed
 
 
 def _after_import(module: str, fn) -> None:
@@ -134,8 +138,12 @@ def install_step_trace(path: str) -> None:
             info = getattr(getattr(res, "logits_output", None), "customized_info", None)
             if not ext and isinstance(info, dict) and info.get("tev_budget") is not None:
                 width = int(max(info["tev_budget"], default=-1))
+            extra = ""
+            if _charged[0] is not None and not ext:
+                extra = " %.6f %.4f %.6f" % _charged[0]
+            _charged[0] = None
             with open(path, "a") as f:
-                f.write(f"{kind} {t0:.6f} {t1:.6f} {'x' if ext else 'd'} {bs} {tokens} {width} {_forward_s[0]:.6f}\n")
+                f.write(f"{kind} {t0:.6f} {t1:.6f} {'x' if ext else 'd'} {bs} {tokens} {width} {_forward_s[0]:.6f}{extra}\n")
             return res
 
         timed._step_trace = True
@@ -157,6 +165,26 @@ def install_step_trace(path: str) -> None:
         timed_forward._step_trace = True
         cls.forward = timed_forward
 
+    def wrap_observe(budget) -> None:
+        cls = budget.ServedBudget
+        original = cls.observe
+        if getattr(original, "_step_trace", False):
+            return
+
+        def observe(self, plan, reach_cum, reach_nodes):
+            charged = original(self, plan, reach_cum, reach_nodes)
+            if self.leader:
+                b = plan.budgets
+                width = max(1, round(sum(b) / len(b))) if plan.ragged else plan.budget
+                table = self.costs
+                stored = table.seconds.get(len(b), {}).get(width)
+                _charged[0] = (charged, table._load or 1.0, stored if stored is not None else -1.0)
+            return charged
+
+        observe._step_trace = True
+        cls.observe = observe
+
+    _after_import("sglang_tev.srt.budget", wrap_observe)
     _after_import("sglang_tev.srt.worker", lambda m: wrap(m.TEVWorker, "tev"))
     _after_import("sglang.srt.managers.tp_worker", lambda m: wrap(m.TpModelWorker, "plain"))
     _after_import("sglang.srt.model_executor.model_runner", wrap_forward)
