@@ -194,7 +194,6 @@ class ReachCalibration:
         self.counts: dict[str, list[float]] = {}
         self.segments: dict[str, dict[int, list[float]]] = {}  # regime -> {size: [real, predicted, rounds]}
         self._fit: dict[str, list[float]] = {}
-        self._drift: dict[str, float] = {}  # per table: the share its labels moved a bin by since its fit
 
     def _regime(self, regime: str) -> tuple[list[float], list[float]]:
         m = self.means.get(regime)
@@ -227,18 +226,15 @@ class ReachCalibration:
         clamped = [min(1.0, max(0.0, p)) if good else 0.0 for p, good in zip(reach, ok)]
         cap = 1.0 / self.alpha  # past 1 / alpha labels a label's weight stays alpha
         means, counts = self._regime(regime)
-        drift = 0.0
         for s, p, good in zip(scores, clamped, ok):
             if good:
                 i = _bin(float(s))
                 c = counts[i] = min(counts[i] + 1.0, cap)
-                c = max(1.0, c)
-                means[i] += (p - means[i]) / c
-                drift += 1.0 / c
-        self._moved(regime, drift)
+                means[i] += (p - means[i]) / max(1.0, c)
+        self._fit.pop(regime, None)
         if checked is None:
             return
-        tables: dict[int, list] = {}  # per capped depth: [means, counts, key, drift], found once
+        tables: dict[int, tuple[list[float], list[float]]] = {}  # per capped depth: (means, counts), found once
         for j, (e, d, par) in enumerate(zip(*checked)):
             above = 1.0 if par < 0 else clamped[par]
             if ok[j] and (par < 0 or ok[par]) and above > 1e-6:
@@ -247,30 +243,12 @@ class ReachCalibration:
                 t = tables.get(d)
                 if t is None:
                     key = edge_key(regime, d)
-                    t = tables[d] = [*self._regime(key), key, 0.0]
-                tm, tc = t[0], t[1]
+                    t = tables[d] = self._regime(key)
+                    self._fit.pop(key, None)
+                tm, tc = t
                 i = _bin(e)
                 c = tc[i] = min(tc[i] + above, cap)
-                c = max(1.0, c)
-                tm[i] += above * (min(1.0, clamped[j] / above) - tm[i]) / c
-                t[3] += above / c
-        for t in tables.values():
-            self._moved(t[2], t[3])
-
-    REFIT_DRIFT = 0.02
-    """A table's fit is redone once its labels since the fit sum to this share of their bins'
-    weights (each label moves its bin's mean by its weight over the bin's count): a young table's
-    every label, a mature one's (bins of 1 / alpha labels) every ~10 labels in a bin. Refitting
-    after every label cost ~40 us a round on the CPU server, where the planner's host work is
-    the TEV round's overhead over a fixed tree's; a fit this stale is off by at most ~2 % of the
-    distance of the labels from the bins' means."""
-
-    def _moved(self, key: str, drift: float) -> None:
-        d = self._drift.get(key, 0.0) + drift
-        if d >= self.REFIT_DRIFT:
-            self._fit.pop(key, None)
-            d = 0.0
-        self._drift[key] = d
+                tm[i] += above * (min(1.0, clamped[j] / above) - tm[i]) / max(1.0, c)
 
     def table(self, regime: str) -> list[float]:
         """The fitted reach per bin of ``regime`` (non-increasing; the prior before any label)."""

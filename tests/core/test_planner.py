@@ -609,33 +609,3 @@ def test_cut_rows_keeps_each_rows_best_first_prefix():
             cut_rows(tree, bad)
     with pytest.raises(SpecError, match="layout"):
         TreePlanner(_planner().controller, layout="jagged")
-
-
-def test_a_tables_fit_is_redone_once_its_labels_moved_it_by_the_refit_share():
-    """The fit a read returns may lag the labels by less than ``REFIT_DRIFT`` of a bin's weight:
-    against a calibration that refits after every label, a path-score value is off by less than
-    that share (labels lie in [0, 1]); an edge product, by at most that per edge of the path."""
-    import random
-
-    rng = random.Random(0)
-    lazy, exact = ReachCalibration(), ReachCalibration()
-    exact.REFIT_DRIFT = 0.0
-    worst = worst_edges = 0.0
-    for k in range(600):
-        n = 12 if k % 4 == 0 else 2  # rounds of few labels: the path-score table lags too
-        scores = sorted((-rng.expovariate(0.7) for _ in range(n)), reverse=True)
-        depths = [1 + i // 3 for i in range(n)]
-        parents = [-1 if d == 1 else i - 3 for i, d in enumerate(depths)]
-        edges = ([rng.uniform(-4, 0) for _ in range(n)], depths, parents)
-        reach = [min(1.0, max(0.0, math.exp(s) + rng.uniform(-0.2, 0.2))) for s in scores]
-        for cal in (lazy, exact):
-            cal.update("greedy", scores, reach, edges)
-        probe = sorted((-rng.expovariate(0.7) for _ in range(12)), reverse=True)
-        pedges = ([rng.uniform(-4, 0) for _ in range(12)], [1 + i // 3 for i in range(12)],
-                  [-1 if i < 3 else i - 3 for i in range(12)])
-        worst = max(worst, max(abs(a - b) for a, b in zip(lazy.values("greedy", probe), exact.values("greedy", probe))))
-        worst_edges = max(worst_edges, max(abs(a - b) for a, b in zip(lazy.values("greedy", probe, pedges),
-                                                                        exact.values("greedy", probe, pedges))))
-    assert 0 < worst < ReachCalibration.REFIT_DRIFT
-    assert 0 < worst_edges < 4 * ReachCalibration.REFIT_DRIFT  # four edges on the deepest path
-    assert lazy.means == exact.means and lazy.counts == exact.counts  # only the fits lag, never the labels
