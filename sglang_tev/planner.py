@@ -202,11 +202,6 @@ class ReachCalibration:
             self.counts[regime] = [self.prior_weight] * len(SCORE_EDGES)
         return m, self.counts[regime]
 
-    def _fold(self, means: list[float], counts: list[float], score: float, p: float, w: float = 1.0) -> None:
-        i = _bin(float(score))
-        counts[i] = min(counts[i] + w, 1.0 / self.alpha)  # past 1 / alpha labels the weight stays alpha
-        means[i] += w * (min(1.0, max(0.0, float(p))) - means[i]) / max(1.0, counts[i])
-
     def update(self, regime: str, scores: Iterable[float], reach: Iterable[float], edges=None) -> None:
         """Fold labels in: the draft path score of each verified node and its reach ``P(v)``
         (0..1; for greedy rows 1 if the node was on the accepted path, else 0).
@@ -222,9 +217,10 @@ class ReachCalibration:
         n = min(len(scores), len(reach))
         checked = None if edges is None else _check_edges(edges, n)  # before any table moves
         ok = [math.isfinite(p) for p in reach[:n]]  # a label that is not a number is left out
-        # _fold inlined (the planner labels every node of every round): clamp each label once
+        # each label moves its bin's running mean by its weight over the bin's count (capped at
+        # 1 / alpha: past that an EMA of weight alpha); inlined, as every node of every round is one
         clamped = [min(1.0, max(0.0, p)) if good else 0.0 for p, good in zip(reach, ok)]
-        cap = 1.0 / self.alpha  # past 1 / alpha labels a label's weight stays alpha
+        cap = 1.0 / self.alpha
         means, counts = self._regime(regime)
         for s, p, good in zip(scores, clamped, ok):
             if good:
