@@ -82,8 +82,9 @@ def summarize(lines: list[str]) -> dict:
         width (0 = a plain step) the same medians and
         ``start_ms``, the median interval from the step's start to the next one's (what a client
         sees per step), and under auto ``charged_ms`` (the median seconds the planner was charged
-        for those rounds) and ``table_ms`` (its cost table's entry for the width after the last
-        of them, load-free); ``{"steps": 0}`` when no two decode steps followed each other.
+        for those rounds) and ``table_ms`` (its cost table's fitted cost, load-free, after the last
+        of them, at that round's batch size: with rounds of several batch sizes under one width it
+        is the last one's); ``{"steps": 0}`` when no two decode steps followed each other.
     """
     rows = []
     for x in lines:

@@ -230,7 +230,10 @@ class DraftTree:
         called is not called) cut to the tree's first ``n`` nodes, each None when not read: what
         a best-first prefix of this tree (``plan.cut_tree``) carries without reading its tensors.
         Valid nodes come first in pop order and a parent before its children, so a prefix of each
-        list is the prefix tree's."""
+        list is the prefix tree's. Raises ``ValueError`` naming ``n`` unless it is an int >= 1
+        (the root)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer of at least 1 (the root), got {n!r}")
         scores, host = getattr(self, "_scores", None), getattr(self, "_host", None)
         if scores is not None:
             scores = [tuple(x[: n - 1] for x in r) for r in scores]

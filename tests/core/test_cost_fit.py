@@ -51,6 +51,21 @@ def test_the_fit_is_the_least_squares_convex_non_decreasing_fit():
             assert _sse(pts, got) <= _sse(pts, trial) + 1e-18
 
 
+def test_a_huge_median_does_not_stop_the_fit_early():
+    """A reviewer's case: one median 1e6x the others (a stalled round). A stopping rule scaled to
+    the largest entry left the small points' fit 3 % off the optimum."""
+    pts = [(31, 0.091, 6), (72, 0.088, 6), (432, 0.143, 10), (443, 130394.0, 13)]
+    got = [f for _, f in _convex(pts)]
+    assert got[:3] == pytest.approx([0.0895, 0.0895, 0.143], rel=1e-9) and got[3] == pytest.approx(130394.0)
+    rng = random.Random(2)
+    for _ in range(200):
+        budgets = sorted(rng.sample(range(1, 513), rng.randint(3, 10)))
+        pts = [(b, rng.uniform(0.01, 0.1), rng.randint(1, 15)) for b in budgets]
+        pts[-1] = (pts[-1][0], pts[-1][1] * 10 ** rng.uniform(3, 6), pts[-1][2])
+        # scipy's own precision is relative to the largest entry; the old rule was off by ~1e-3 here
+        np.testing.assert_allclose([f for _, f in _convex(pts)], _reference(pts), rtol=0, atol=1e-12 * pts[-1][1])
+
+
 def test_two_points_or_fewer_are_the_monotone_fit():
     for pts in ([(8, 0.02, 3)], [(8, 0.02, 3), (16, 0.018, 1)], [(8, 0.02, 3), (16, 0.03, 1)]):
         assert _convex(pts) == _monotone(pts)

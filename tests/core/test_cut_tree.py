@@ -76,3 +76,11 @@ def test_a_cut_of_a_tree_whose_host_caches_were_read_reads_no_tensor(monkeypatch
     fresh = build_ddtree(logits, 40, torch.tensor([0, 1, 2]))
     assert cut_tree(fresh, 5).prefix_caches(5) == (None, None)  # nothing read: nothing carried
     assert host is not None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None])
+def test_prefix_caches_refuses_a_bad_n(bad):
+    tree = build_ddtree(torch.randn(1, 7, 20), 8, torch.tensor([1]))
+    tree.node_scores(), tree.host()
+    with pytest.raises(ValueError, match="n must be an integer"):
+        tree.prefix_caches(bad)

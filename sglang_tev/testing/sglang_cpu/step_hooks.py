@@ -20,9 +20,11 @@
   SGLang's ``ModelRunner.forward`` during the call, target and drafter, so the rest of the call is
   the worker's own work). One line per outermost call: the target calls a TEV round or a TEV
   prefill makes inside it are part of its line. Under ``SGLANG_TEV_BUDGET=auto`` a round's line
-  adds ``charged load stored``: the seconds the planner was charged for it, its cost table's load
-  of the minute, and the table's cost at the width it was timed as after it (load-free seconds),
-  so a benchmark can set what the planner believed beside what the rounds took.
+  adds ``charged load cost``: the seconds the planner was charged for it, its cost table's load
+  of the minute, and the table's fitted cost (``CostTable.cost``, load-free seconds, -1 if none)
+  at the round's batch size and the width it was timed as, read after the round, so a benchmark
+  can set what the planner reads beside what the rounds took (with ``SGLANG_TEV_RAGGED_CUTS`` the
+  width is the forced cut's, not the planner's: the column is not meaningful there).
 
 They act only in processes the CPU harness starts (``SGLANG_TEV_CPU_HARNESS=1`` loads them); the
 plain-step plans only on a ``SGLANG_TEV_BUDGET=auto`` server, the ragged cuts only where the layout
@@ -40,7 +42,7 @@ __all__ = ["install_plain_steps", "install_ragged_cuts", "install_step_trace"]
 
 _depth = [0]  # worker calls in progress in this process: only the outermost one is written
 _forward_s = [0.0]  # seconds in ModelRunner.forward since the outermost worker call began
-_charged: list = [None]  # (charged, load, stored) of the last round ServedBudget.observe closed
+_charged: list = [None]  # (charged, load, cost) of the last round ServedBudget.observe closed
 
 
 def _after_import(module: str, fn) -> None:
@@ -177,8 +179,8 @@ def install_step_trace(path: str) -> None:
                 b = plan.budgets
                 width = max(1, round(sum(b) / len(b))) if plan.ragged else plan.budget
                 table = self.costs
-                stored = table.seconds.get(len(b), {}).get(width)
-                _charged[0] = (charged, table._load or 1.0, stored if stored is not None else -1.0)
+                cost = table.cost(len(b), width)
+                _charged[0] = (charged, table._load or 1.0, cost if cost is not None else -1.0)
             return charged
 
         observe._step_trace = True
