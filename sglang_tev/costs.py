@@ -103,9 +103,8 @@ def _convex(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
     active = [0]  # Lawson-Hanson's passive set; the free intercept always in it
     # no tolerance on the gradient or the weights: one scaled to the largest entry stopped early
     # when one median was 1e5x the others (a reviewer's case: 3 % off); 3n steps bound the loop
-    tol = 0.0
     for _ in range(3 * n):
-        j, best = None, tol  # the hinge whose weight would lower the squared error most
+        j, best = None, 0.0  # the hinge whose weight would lower the squared error most
         for k in range(1, n):
             if k not in active:
                 gk = rhs[k] - sum(gram(k, a) * coef[a] for a in active)
@@ -128,7 +127,7 @@ def _convex(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
             for zi, a in zip(z, active):
                 coef[a] += step * (zi - coef[a])
             for a in active:
-                if a and coef[a] <= tol:
+                if a and coef[a] <= 0.0:
                     coef[a] = 0.0
             active = [a for a in active if a == 0 or coef[a] > 0.0]
         if z is None:

@@ -72,6 +72,15 @@ class RoundPlan:
         """Rows take different budgets (a ragged runtime verifies ``sum(budgets) + rows`` tokens)."""
         return min(self.budgets) != max(self.budgets)
 
+    @property
+    def timed_budget(self) -> int:
+        """The budget the cost table times this round as: :attr:`budget`, or for a ragged round
+        the uniform width of the same token count (its mean budget per row, rounded, at least 1:
+        how :meth:`TreePlanner._refine_ragged` reads the table)."""
+        if not self.ragged:
+            return self.budget
+        return max(1, round(sum(self.budgets) / len(self.budgets)))
+
 
 class BudgetPolicy(Protocol):
     """What a runtime asks each round. ``plan`` sees only past rounds (and, in later policies, this
@@ -325,7 +334,7 @@ class TreePlanner(AutoBudget):
         if plan.ragged:
             # timed as the uniform width of the same token count (how :meth:`_refine_ragged` reads
             # the table); its gains from the sub-budgets every row verified in full
-            self.controller.observe(batch, max(1, round(sum(plan.budgets) / batch)), None, seconds)
+            self.controller.observe(batch, plan.timed_budget, None, seconds)
             if reach_cum and plan.reach_at:
                 self.controller.learn_gains(min(plan.budgets), [list(r) for r in reach_cum])
         else:

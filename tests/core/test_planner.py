@@ -609,3 +609,9 @@ def test_cut_rows_keeps_each_rows_best_first_prefix():
             cut_rows(tree, bad)
     with pytest.raises(SpecError, match="layout"):
         TreePlanner(_planner().controller, layout="jagged")
+
+
+def test_a_ragged_round_is_timed_as_the_uniform_width_of_its_token_count():
+    assert RoundPlan((8, 8), 16).timed_budget == 8 and RoundPlan((0, 0), 16).timed_budget == 0
+    assert RoundPlan((3, 4, 8), 16).timed_budget == 5  # 15 drafted nodes over 3 rows
+    assert RoundPlan((0, 0, 1), 16).timed_budget == 1  # at least 1: a draft was paid for

@@ -176,10 +176,8 @@ def install_step_trace(path: str) -> None:
         def observe(self, plan, reach_cum, reach_nodes):
             charged = original(self, plan, reach_cum, reach_nodes)
             if self.leader:
-                b = plan.budgets
-                width = max(1, round(sum(b) / len(b))) if plan.ragged else plan.budget
                 table = self.costs
-                cost = table.cost(len(b), width)
+                cost = table.cost(len(plan.budgets), plan.timed_budget)
                 _charged[0] = (charged, table._load or 1.0, cost if cost is not None else -1.0)
             return charged
 
